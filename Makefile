@@ -1,0 +1,40 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e ".[dev,bench]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(VENV)/.installed-dev
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo_data benchmarks/results .pytest_cache .ruff_cache

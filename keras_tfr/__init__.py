@@ -1,0 +1,77 @@
+"""keras-tfr: train Keras models on data larger than RAM.
+
+Arrays, memmaps, h5py data sets and iterables of batches become sharded TFRecord files
+(`ArraysToRecords`), which stream back into ``fit``, ``evaluate``, ``predict`` and
+keras-tuner's ``search`` (`TFRecordSequenceSource`); `limit_gpu_memory` caps each
+process's GPU memory so several models can train on one GPU.
+
+Heavy modules (TensorFlow, Keras) load on first use of a name, not at import, so
+``keras-tfr --help`` and reading a manifest stay quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from keras_tfr._version import __version__
+
+__all__ = [
+    "ArraysToRecords",
+    "CorruptRecordError",
+    "DatasetExistsError",
+    "DatasetLockedError",
+    "IncompleteDatasetError",
+    "KerasTFRError",
+    "Manifest",
+    "ManifestError",
+    "ShardError",
+    "TFRecordSequenceSource",
+    "__version__",
+    "limit_gpu_memory",
+    "verify",
+]
+
+_LAZY = {
+    "ArraysToRecords": "keras_tfr.writer",
+    "TFRecordSequenceSource": "keras_tfr.source",
+    "limit_gpu_memory": "keras_tfr.gpu",
+    "verify": "keras_tfr.verify",
+    "Manifest": "keras_tfr.manifest",
+    "CorruptRecordError": "keras_tfr.errors",
+    "DatasetExistsError": "keras_tfr.errors",
+    "DatasetLockedError": "keras_tfr.errors",
+    "IncompleteDatasetError": "keras_tfr.errors",
+    "KerasTFRError": "keras_tfr.errors",
+    "ManifestError": "keras_tfr.errors",
+    "ShardError": "keras_tfr.errors",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from keras_tfr.errors import (
+        CorruptRecordError,
+        DatasetExistsError,
+        DatasetLockedError,
+        IncompleteDatasetError,
+        KerasTFRError,
+        ManifestError,
+        ShardError,
+    )
+    from keras_tfr.gpu import limit_gpu_memory
+    from keras_tfr.manifest import Manifest
+    from keras_tfr.source import TFRecordSequenceSource
+    from keras_tfr.verify import verify
+    from keras_tfr.writer import ArraysToRecords
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_tfr' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

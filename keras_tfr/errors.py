@@ -1,0 +1,50 @@
+"""Typed exceptions raised by keras-tfr.
+
+Every error names the argument, file or record it is about, says what was expected and
+shows what was received, in the voice of Keras' own data adapters.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CorruptRecordError",
+    "DatasetExistsError",
+    "DatasetLockedError",
+    "IncompleteDatasetError",
+    "KerasTFRError",
+    "ManifestError",
+    "ShardError",
+]
+
+
+class KerasTFRError(Exception):
+    """Base class of every keras-tfr error."""
+
+
+class ManifestError(KerasTFRError, ValueError):
+    """`manifest.json` is missing, malformed, from an unknown format version or unsafe."""
+
+
+class ShardError(KerasTFRError, OSError):
+    """A shard named in the manifest is missing or has the wrong size or checksum."""
+
+
+class CorruptRecordError(KerasTFRError, OSError):
+    """A record failed its CRC or could not be decoded; names the file and the offset."""
+
+    def __init__(self, message: str, *, file: str | None = None, offset: int | None = None):
+        super().__init__(message)
+        self.file = file
+        self.offset = offset
+
+
+class IncompleteDatasetError(ManifestError):
+    """The directory holds shards of a conversion that did not finish (no manifest)."""
+
+
+class DatasetExistsError(KerasTFRError, FileExistsError):
+    """The target directory already holds a data set and `overwrite=True` was not given."""
+
+
+class DatasetLockedError(KerasTFRError, RuntimeError):
+    """Another writer holds the directory's lock file."""

@@ -1,0 +1,411 @@
+"""The manifest: what a data set holds, written last and atomically.
+
+A directory is a complete keras-tfr data set exactly when it holds ``manifest.json``.
+The writer creates it after every shard is closed, under a temporary name that is then
+renamed into place, so a reader never sees a half-written manifest or a manifest of a
+conversion that did not finish.
+
+``manifest.json``, field by field
+---------------------------------
+=====================  ================================================================
+field                  meaning
+=====================  ================================================================
+``format``             always ``"keras-tfr"``
+``format_version``     integer; readers refuse versions they do not know (now ``1``)
+``writer_version``     version of keras-tfr that wrote the data set
+``created``            UTC time the data set was completed, ISO 8601
+``structure``          per role present (``x``, ``y``, ``sample_weight``): ``"array"``,
+                       ``"dict"`` or ``"list"``: how the source rebuilds what Keras sees
+``features``           list of ``{role, name, key, dtype, shape}``; ``key`` is the
+                       Example feature holding the bytes (see `keras_tfr.schema`)
+``samples_per_record`` samples in each record (block); only the last record of the data
+                       set may hold fewer
+``record_bytes``       size of a full record's serialized Example, in bytes
+``compression``        ``null``, ``"GZIP"`` or ``"ZLIB"`` (TFRecord compression)
+``total_samples``      samples in the data set
+``total_records``      records in the data set
+``total_bytes``        bytes of all shard files together
+``shards``             list, in sample order, of ``{file, samples, records, bytes,
+                       checksum}``: ``file`` is a plain file name inside the directory,
+                       ``bytes`` the file's size, ``checksum`` ``"crc32:<8 hex digits>"``,
+                       the zlib CRC-32 of the shard's record payloads (the serialized
+                       Examples, in order, without the TFRecord framing)
+``user_metadata``      optional JSON object given by the writer's caller
+=====================  ================================================================
+
+A manifest may come from an untrusted place: it is parsed as JSON only, shard names must
+be plain file names (no ``/``, no ``..``), and every count, size and shape is checked
+against limits and against each other before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from keras_tfr import _io
+from keras_tfr._version import __version__
+from keras_tfr.errors import IncompleteDatasetError, ManifestError, ShardError
+from keras_tfr.schema import (
+    MAX_RANK,
+    MAX_RECORD_BYTES,
+    MAX_SAMPLE_BYTES,
+    ROLES,
+    SUPPORTED_DTYPES,
+    FeatureSpec,
+)
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ShardInfo"]
+
+FORMAT_NAME = "keras-tfr"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PROGRESS_NAME = ".keras-tfr-progress.json"
+COMPRESSIONS = (None, "GZIP", "ZLIB")
+
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_FEATURES = 4096
+MAX_SHARDS = 10_000_000
+MAX_SAMPLES = 1 << 48
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+_FEATURE_NAME = re.compile(r"^[^/\x00]{0,255}$")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file as recorded in the manifest."""
+
+    file: str
+    samples: int
+    records: int
+    bytes: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "samples": self.samples,
+            "records": self.records,
+            "bytes": self.bytes,
+            "checksum": self.checksum,
+        }
+
+
+@dataclass
+class Manifest:
+    """A parsed, validated manifest. Build with `Manifest.load(directory)`."""
+
+    structure: dict[str, str]
+    features: list[FeatureSpec]
+    samples_per_record: int
+    record_bytes: int
+    compression: str | None
+    shards: list[ShardInfo]
+    writer_version: str = __version__
+    created: str = ""
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    directory: str = ""
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def total_records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def sample_bytes(self) -> int:
+        return sum(f.sample_bytes for f in self.features)
+
+    def features_of(self, role: str) -> list[FeatureSpec]:
+        return [f for f in self.features if f.role == role]
+
+    def shard_path(self, shard: ShardInfo) -> str:
+        return _io.join(self.directory, shard.file)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "writer_version": self.writer_version,
+            "created": self.created,
+            "structure": dict(self.structure),
+            "features": [f.to_json() for f in self.features],
+            "samples_per_record": self.samples_per_record,
+            "record_bytes": self.record_bytes,
+            "compression": self.compression,
+            "total_samples": self.total_samples,
+            "total_records": self.total_records,
+            "total_bytes": self.total_bytes,
+            "shards": [s.to_json() for s in self.shards],
+        }
+        if self.user_metadata:
+            out["user_metadata"] = self.user_metadata
+        return out
+
+    def save(self, directory: str) -> None:
+        """Writes ``manifest.json`` atomically (temporary name, then rename)."""
+        if not self.created:
+            self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"
+            )
+        _io.write_json_atomic(_io.join(directory, MANIFEST_NAME), self.to_json())
+        self.directory = str(directory)
+
+    @classmethod
+    def load(cls, directory: str, *, check_files: bool = True) -> Manifest:
+        """Reads and validates ``DIRECTORY/manifest.json``.
+
+        Args:
+            directory: the data set's directory (local path or any `tf.io.gfile` URL).
+            check_files: also check that every shard exists with its recorded size.
+
+        Raises:
+            IncompleteDatasetError: no manifest, but shards of an unfinished conversion.
+            ManifestError: no manifest, or it is malformed, unsafe or of an unknown version.
+            ShardError: a shard is missing or has the wrong size (names the shard).
+        """
+        directory = str(directory)
+        path = _io.join(directory, MANIFEST_NAME)
+        if not _io.exists(path):
+            if _io.isdir(directory) and _io.exists(_io.join(directory, PROGRESS_NAME)):
+                raise IncompleteDatasetError(
+                    f"{directory} holds an incomplete data set: a conversion into it did not "
+                    f"finish, so it has no {MANIFEST_NAME}. Resume it with "
+                    "`ArraysToRecords(..., resume=True)` or start over with `overwrite=True`."
+                )
+            if not _io.isdir(directory):
+                raise ManifestError(
+                    f"Expected `directory` to be a keras-tfr data set directory. "
+                    f"Received: {directory!r}, which does not exist."
+                )
+            raise ManifestError(
+                f"Expected `directory` to be a keras-tfr data set directory with a "
+                f"{MANIFEST_NAME}. Received: {directory!r}, which has none."
+            )
+        raw = _io.read_bytes(path)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path} is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        manifest = cls.from_json_bytes(raw, source=path)
+        manifest.directory = directory
+        if check_files:
+            manifest.check_files()
+        return manifest
+
+    def check_files(self) -> None:
+        """Checks that every shard exists with the size the manifest records."""
+        problems = []
+        for shard in self.shards:
+            p = self.shard_path(shard)
+            try:
+                actual = _io.size(p)
+            except (OSError, FileNotFoundError):
+                problems.append(f"{shard.file}: missing")
+                continue
+            except Exception as e:  # tf.errors.NotFoundError on remote file systems
+                if type(e).__name__ == "NotFoundError":
+                    problems.append(f"{shard.file}: missing")
+                    continue
+                raise
+            if actual != shard.bytes:
+                problems.append(f"{shard.file}: {actual} bytes, the manifest records {shard.bytes}")
+        if problems:
+            raise ShardError(
+                f"The data set in {self.directory} does not match its manifest: "
+                + "; ".join(problems[:20])
+                + (f"; and {len(problems) - 20} more" if len(problems) > 20 else "")
+            )
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, *, source: str = "manifest") -> Manifest:
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{source} is not valid JSON: {e}") from e
+        return cls.from_json(obj, source=source)
+
+    @classmethod
+    def from_json(cls, obj: Any, *, source: str = "manifest") -> Manifest:
+        """Validates a decoded manifest; raises `ManifestError` naming the field."""
+
+        def fail(msg: str) -> ManifestError:
+            return ManifestError(f"{source}: {msg}")
+
+        def get(d: dict, key: str, types: Any, where: str = "") -> Any:
+            if key not in d:
+                raise fail(f"missing field `{where}{key}`")
+            v = d[key]
+            if types is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise fail(f"field `{where}{key}` must be an integer, got {v!r:.80}")
+            if types is not int and not isinstance(v, types):
+                raise fail(f"field `{where}{key}` has the wrong type: {v!r:.80}")
+            return v
+
+        if not isinstance(obj, dict):
+            raise fail("expected a JSON object")
+        if obj.get("format") != FORMAT_NAME:
+            raise fail(f"`format` is {obj.get('format')!r:.80}, expected {FORMAT_NAME!r}")
+        version = get(obj, "format_version", int)
+        if version != FORMAT_VERSION:
+            raise fail(
+                f"format_version {version} is not supported by keras-tfr {__version__} "
+                f"(it reads version {FORMAT_VERSION}); upgrade keras-tfr"
+            )
+        structure = get(obj, "structure", dict)
+        if not structure or any(
+            r not in ROLES or s not in ("array", "dict", "list") for r, s in structure.items()
+        ):
+            raise fail(f"`structure` must map roles {ROLES} to 'array', 'dict' or 'list'")
+        if "x" not in structure:
+            raise fail("`structure` has no `x` role")
+        raw_features = get(obj, "features", list)
+        if not raw_features or len(raw_features) > MAX_FEATURES:
+            raise fail(f"`features` must hold 1 to {MAX_FEATURES} entries")
+        features = []
+        keys = set()
+        for i, f in enumerate(raw_features):
+            where = f"features[{i}]."
+            if not isinstance(f, dict):
+                raise fail(f"`features[{i}]` must be an object")
+            role = get(f, "role", str, where)
+            name = get(f, "name", str, where)
+            dtype = get(f, "dtype", str, where)
+            shape = get(f, "shape", list, where)
+            if role not in structure:
+                raise fail(f"`{where}role` {role!r:.40} is not in `structure`")
+            if not _FEATURE_NAME.match(name):
+                raise fail(f"`{where}name` {name!r:.40} is not a valid feature name")
+            if (structure[role] == "array") != (name == ""):
+                raise fail(f"`{where}name` does not fit the role's structure")
+            if dtype not in SUPPORTED_DTYPES:
+                raise fail(f"`{where}dtype` {dtype!r:.40} is not supported")
+            if len(shape) > MAX_RANK or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 or d > 1 << 31 for d in shape
+            ):
+                raise fail(f"`{where}shape` {shape!r:.80} is not a valid shape")
+            spec = FeatureSpec(role=role, name=name, dtype=dtype, shape=tuple(shape))
+            if spec.sample_bytes > MAX_SAMPLE_BYTES:
+                raise fail(f"`{where}` samples of {spec.sample_bytes} bytes exceed the limit")
+            if "key" in f and f["key"] != spec.key:
+                raise fail(f"`{where}key` is {f['key']!r:.40}, expected {spec.key!r}")
+            if spec.key in keys:
+                raise fail(f"feature key {spec.key!r} appears twice")
+            keys.add(spec.key)
+            features.append(spec)
+        for role in structure:
+            if not any(f.role == role for f in features):
+                raise fail(f"role {role!r} has no features")
+        spr = get(obj, "samples_per_record", int)
+        if spr < 1 or spr > MAX_SAMPLES:
+            raise fail(f"`samples_per_record` {spr} is out of range")
+        sample_bytes = sum(f.sample_bytes for f in features)
+        if spr * sample_bytes > MAX_RECORD_BYTES:
+            raise fail(f"records of {spr} samples x {sample_bytes} bytes exceed the 2 GiB limit")
+        record_bytes = get(obj, "record_bytes", int)
+        if record_bytes < 0 or record_bytes > MAX_RECORD_BYTES:
+            raise fail("`record_bytes` is out of range")
+        compression = obj.get("compression")
+        if compression not in COMPRESSIONS:
+            raise fail(f"`compression` {compression!r:.40} is not one of {COMPRESSIONS}")
+        raw_shards = get(obj, "shards", list)
+        if len(raw_shards) > MAX_SHARDS:
+            raise fail("too many shards")
+        shards = []
+        names = set()
+        for i, s in enumerate(raw_shards):
+            where = f"shards[{i}]."
+            if not isinstance(s, dict):
+                raise fail(f"`shards[{i}]` must be an object")
+            name = get(s, "file", str, where)
+            if not _SHARD_NAME.match(name) or name in (".", "..") or name == MANIFEST_NAME:
+                raise fail(
+                    f"`{where}file` {name!r:.80} must be a plain file name inside the data set "
+                    "directory (no '/', no '..', no absolute path)"
+                )
+            if name in names:
+                raise fail(f"shard file {name!r} appears twice")
+            names.add(name)
+            samples = get(s, "samples", int, where)
+            records = get(s, "records", int, where)
+            nbytes = get(s, "bytes", int, where)
+            checksum = get(s, "checksum", str, where)
+            if not (0 <= samples <= MAX_SAMPLES and 0 <= nbytes < 1 << 50):
+                raise fail(f"`{where}` counts are out of range")
+            if records != math.ceil(samples / spr):
+                raise fail(
+                    f"`{where}records` is {records}; {samples} samples in records of {spr} "
+                    f"need {math.ceil(samples / spr)}"
+                )
+            if i < len(raw_shards) - 1 and samples % spr:
+                raise fail(f"`{where}samples` {samples} is not a multiple of {spr}")
+            if not re.match(r"^crc32:[0-9a-f]{8}$", checksum):
+                raise fail(f"`{where}checksum` {checksum!r:.40} is not 'crc32:<8 hex digits>'")
+            shards.append(ShardInfo(name, samples, records, nbytes, checksum))
+        manifest = cls(
+            structure=dict(structure),
+            features=features,
+            samples_per_record=spr,
+            record_bytes=record_bytes,
+            compression=compression,
+            shards=shards,
+            writer_version=str(obj.get("writer_version", "")),
+            created=str(obj.get("created", "")),
+            user_metadata=obj.get("user_metadata") or {},
+        )
+        for total, value in (
+            ("total_samples", manifest.total_samples),
+            ("total_records", manifest.total_records),
+            ("total_bytes", manifest.total_bytes),
+        ):
+            if total in obj and obj[total] != value:
+                raise fail(f"`{total}` is {obj[total]!r:.40} but the shards add up to {value}")
+        if not isinstance(manifest.user_metadata, dict):
+            raise fail("`user_metadata` must be an object")
+        return manifest
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: Any, *, argument: str) -> int:
+    """Parses ``"128MB"``, ``"64KiB"``, ``"1.5GB"`` or an int of bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"Expected `{argument}` to be a size in bytes. Received: {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(
+                f"Expected `{argument}` to be a size like '128MB', '64KiB' or an int of "
+                f"bytes. Received: {value!r}"
+            )
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        power = {"": 0, "B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("B").rstrip("I")]
+        n = int(float(m.group(1)) * base**power)
+    else:
+        raise TypeError(
+            f"Expected `{argument}` to be a size like '128MB' or an int of bytes. "
+            f"Received: {value!r} of type {type(value).__name__}"
+        )
+    if n <= 0:
+        raise ValueError(f"Expected `{argument}` to be a positive size. Received: {value!r}")
+    return n

@@ -1,0 +1,306 @@
+"""Feature specs and the record layout: NumPy blocks <-> `tf.train.Example` bytes <-> tensors.
+
+Record layout
+-------------
+Each TFRecord record is a standard, serialized ``tf.train.Example`` holding a *block* of
+consecutive samples:
+
+=====================  ==========================================================
+Example feature key    value
+=====================  ==========================================================
+``__count__``          ``int64_list``: one value, the number of samples in the block
+``<key>`` per feature  ``bytes_list``: one value, the block's samples of that feature
+                       as contiguous little-endian raw bytes in C order (``bool`` is
+                       one byte per value, 0 or 1)
+=====================  ==========================================================
+
+A feature's key is its role (``x``, ``y`` or ``sample_weight``) when the role holds a
+single array, and ``<role>/<name>`` when the role holds a dict (``name`` is the dict key)
+or a list (``name`` is the position). Keys are written in sorted order, so every full
+block of a data set serializes to the same number of bytes; only the data set's last
+record may hold fewer samples.
+
+The Example is serialized by hand (the wire format of ``example.proto``), not through
+per-sample protobuf objects: one join of a precomputed header with each feature's bytes.
+Any TFRecord tool can still read the records as ordinary Examples.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["COUNT_KEY", "ROLES", "FeatureSpec", "check_dtype", "decode_example", "encode_block"]
+
+COUNT_KEY = "__count__"
+ROLES = ("x", "y", "sample_weight")
+
+# dtype name -> itemsize. Little-endian raw bytes for every one of them.
+SUPPORTED_DTYPES = {
+    "bool": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+
+# Limits that keep an untrusted manifest from asking for absurd allocations.
+MAX_RANK = 32
+MAX_SAMPLE_BYTES = 1 << 30
+MAX_RECORD_BYTES = (1 << 31) - (1 << 20)  # protobuf messages must stay below 2 GiB
+
+
+def check_dtype(dtype: Any, *, argument: str) -> np.dtype:
+    """Returns the NumPy dtype, or raises a `TypeError` that names `argument`."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(
+            f"Expected `{argument}` to have a numeric or bool dtype. Received: dtype={dtype!r}"
+        ) from e
+    if dt.name not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"Expected `{argument}` to have one of the dtypes {sorted(SUPPORTED_DTYPES)}. "
+            f"Received: dtype={dt} (object, string and complex arrays are not supported; "
+            "convert them to a numeric dtype first)."
+        )
+    return dt
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One feature of a data set: its role, name, dtype and per-sample shape.
+
+    Attributes:
+        role: ``"x"`` (model input), ``"y"`` (target) or ``"sample_weight"``.
+        name: the dict key or list position within the role; ``""`` for a single array.
+        dtype: NumPy dtype name, one of `SUPPORTED_DTYPES`.
+        shape: the shape of one sample (``()`` for scalars).
+    """
+
+    role: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return self.role if self.name == "" else f"{self.role}/{self.name}"
+
+    @property
+    def itemsize(self) -> int:
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def sample_size(self) -> int:
+        """Values per sample."""
+        return int(math.prod(self.shape))
+
+    @property
+    def sample_bytes(self) -> int:
+        return self.sample_size * self.itemsize
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype).newbyteorder("<") if self.itemsize > 1 else np.dtype(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "name": self.name,
+            "key": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+        }
+
+    @classmethod
+    def from_array(cls, role: str, name: str, array: Any, *, argument: str) -> FeatureSpec:
+        dt = check_dtype(array.dtype, argument=argument)
+        shape = tuple(int(d) for d in array.shape)
+        if len(shape) == 0:
+            raise ValueError(
+                f"Expected `{argument}` to be an array whose first axis indexes samples. "
+                f"Received: a scalar of dtype {dt}."
+            )
+        return cls(role=role, name=name, dtype=dt.name, shape=shape[1:])
+
+
+def to_le_bytes(array: np.ndarray, spec: FeatureSpec) -> np.ndarray:
+    """Returns a C-contiguous little-endian view or copy of `array` in `spec`'s dtype."""
+    arr = np.asarray(array)
+    if spec.dtype == "bool":
+        return np.ascontiguousarray(arr, dtype=np.bool_).view(np.uint8)
+    target = spec.np_dtype
+    if arr.dtype != target:
+        arr = arr.astype(target)
+    return np.ascontiguousarray(arr)
+
+
+# ---------------------------------------------------------------- protobuf wire format
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _len_field(field: int, payload_len: int) -> bytes:
+    return _varint((field << 3) | 2) + _varint(payload_len)
+
+
+def _bytes_entry_header(key: str, nbytes: int) -> tuple[bytes, int]:
+    """Header of a Features map entry `key` -> BytesList([<nbytes bytes>]), and its total size."""
+    kb = key.encode("utf-8")
+    key_field = _len_field(1, len(kb)) + kb
+    bytes_list = _len_field(1, nbytes)  # BytesList.value[0], payload follows
+    bytes_list_len = len(bytes_list) + nbytes
+    feature = _len_field(1, bytes_list_len) + bytes_list  # Feature.bytes_list
+    feature_len = len(_len_field(1, bytes_list_len)) + bytes_list_len
+    value_field_hdr = _len_field(2, feature_len)
+    entry_len = len(key_field) + len(value_field_hdr) + feature_len
+    header = _len_field(1, entry_len) + key_field + value_field_hdr + feature
+    return header, len(_len_field(1, entry_len)) + entry_len
+
+
+def _int64_entry(key: str, value: int) -> bytes:
+    kb = key.encode("utf-8")
+    key_field = _len_field(1, len(kb)) + kb
+    packed = _varint(value & 0xFFFFFFFFFFFFFFFF)
+    int64_list = _len_field(1, len(packed)) + packed  # Int64List.value, packed
+    feature = _len_field(3, len(int64_list)) + int64_list  # Feature.int64_list
+    entry = key_field + _len_field(2, len(feature)) + feature
+    return _len_field(1, len(entry)) + entry
+
+
+class BlockEncoder:
+    """Serializes blocks of samples into Example bytes with precomputed headers.
+
+    Example:
+        >>> enc = BlockEncoder([FeatureSpec("x", "", "float32", (2,))])
+        >>> rec = enc.encode(3, [np.zeros((3, 2), np.float32).tobytes()])
+    """
+
+    def __init__(self, specs: list[FeatureSpec]):
+        self.specs = sorted(specs, key=lambda s: s.key)
+        self._cache: dict[int, tuple[bytes, list[bytes], bytes]] = {}
+
+    def _headers(self, count: int) -> tuple[bytes, list[bytes], bytes]:
+        cached = self._cache.get(count)
+        if cached is not None:
+            return cached
+        entries = []
+        total = 0
+        count_entry = _int64_entry(COUNT_KEY, count)
+        total += len(count_entry)
+        for spec in self.specs:
+            header, size = _bytes_entry_header(spec.key, count * spec.sample_bytes)
+            entries.append(header)
+            total += size
+        example_header = _len_field(1, total)  # Example.features
+        result = (example_header, entries, count_entry)
+        if len(self._cache) < 4:
+            self._cache[count] = result
+        return result
+
+    def encode(self, count: int, payloads: list[Any]) -> bytes:
+        """`payloads[i]` holds `count` samples of `self.specs[i]` as raw bytes (buffer)."""
+        example_header, entries, count_entry = self._headers(count)
+        parts: list[Any] = [example_header, count_entry]
+        for header, payload in zip(entries, payloads):
+            parts.append(header)
+            parts.append(payload)
+        return b"".join(parts)
+
+
+def encode_block(specs: list[FeatureSpec], arrays: dict[str, np.ndarray]) -> bytes:
+    """Encodes one block given per-key arrays (a convenience for tests and tools)."""
+    enc = BlockEncoder(specs)
+    count = None
+    payloads = []
+    for spec in enc.specs:
+        arr = to_le_bytes(arrays[spec.key], spec)
+        count = arr.shape[0] if count is None else count
+        payloads.append(memoryview(arr).cast("B"))
+    return enc.encode(int(count or 0), payloads)
+
+
+def decode_example(specs: list[FeatureSpec], record: bytes) -> dict[str, np.ndarray]:
+    """Decodes one record into per-key NumPy arrays (slow path: verify, tests, tools).
+
+    Raises:
+        ValueError: the record is not an Example of this schema.
+    """
+    from keras_tfr._proto import parse_example_bytes
+
+    fields = parse_example_bytes(record)
+    if COUNT_KEY not in fields or not isinstance(fields[COUNT_KEY], int):
+        raise ValueError(f"record has no `{COUNT_KEY}` int64 feature")
+    count = fields[COUNT_KEY]
+    out = {}
+    for spec in specs:
+        raw = fields.get(spec.key)
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise ValueError(f"record has no bytes feature `{spec.key}`")
+        if len(raw) != count * spec.sample_bytes:
+            raise ValueError(
+                f"feature `{spec.key}` holds {len(raw)} bytes; {count} samples of "
+                f"shape {spec.shape} and dtype {spec.dtype} need {count * spec.sample_bytes}"
+            )
+        arr = np.frombuffer(raw, dtype=np.uint8 if spec.dtype == "bool" else spec.np_dtype)
+        if spec.dtype == "bool":
+            arr = arr.astype(np.bool_)
+        else:
+            arr = arr.astype(np.dtype(spec.dtype), copy=False)
+        out[spec.key] = arr.reshape((count, *spec.shape))
+    return out
+
+
+# ------------------------------------------------------------------------ tf decoding
+
+
+def check_host_byte_order() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            "keras-tfr decodes records with zero-copy bitcasts, which assume a little-endian "
+            f"host. This host is {sys.byteorder}-endian."
+        )
+
+
+def tf_decode_feature(raw_bytes, spec: FeatureSpec, block_samples: int):
+    """Decodes a [k] string tensor of block payloads into [k * block_samples, *shape].
+
+    One `decode_raw` into uint8 (padding a short last block with zeros), then a reshape
+    and a zero-copy `bitcast` to the feature's dtype: `decode_raw` itself supports neither
+    bool, uint32, uint64 nor (with padding) float16.
+    """
+    import tensorflow as tf
+
+    nbytes = block_samples * spec.sample_bytes
+    u8 = tf.io.decode_raw(raw_bytes, tf.uint8, fixed_length=max(nbytes, 1))
+    if spec.itemsize == 1:
+        x = tf.reshape(u8, [-1, *spec.shape])
+        if spec.dtype == "bool":
+            return tf.cast(x, tf.bool)
+        if spec.dtype == "int8":
+            return tf.bitcast(x, tf.int8)
+        return x
+    x = tf.reshape(u8, [-1, *spec.shape, spec.itemsize])
+    return tf.bitcast(x, tf.as_dtype(spec.dtype))

@@ -1,0 +1,514 @@
+"""`TFRecordSequenceSource`: a data set's shards streamed into `fit`, `evaluate`, `predict`.
+
+It is a `tf.data.Dataset` (built like TensorFlow's own `TFRecordDatasetV2`: the pipeline's
+variant tensor is handed to ``Dataset.__init__``), so the whole read path runs in
+tf.data's C++ runtime and Keras takes it as it takes any data set, with the TensorFlow,
+JAX and torch backends alike.
+
+The pipeline, stage by stage (each stage works on records, i.e. blocks of samples, or on
+pools of blocks, never on single samples, so the per-element overhead of tf.data is paid
+once per block):
+
+1. shard list from the manifest (shuffled each epoch when ``shuffle=True``);
+2. parallel interleave of `TFRecordDataset` readers, one per shard; a scan counts records
+   and byte offsets so that a damaged record is reported with its file and offset;
+3. the validation split keeps or drops whole records (seeded, disjoint, complete);
+4. shuffle: a buffer of records sized in bytes (``shuffle_memory``);
+5. pools of records are parsed with one batched `parse_example`, decoded with one
+   `decode_raw` and a zero-copy `bitcast` per feature, and permuted inside the pool;
+6. `rebatch` to ``batch_size`` without going through single samples; prefetch;
+7. the step count is asserted from the manifest, so Keras knows it before epoch 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_tfr.manifest import Manifest, parse_size
+from keras_tfr.schema import COUNT_KEY, FeatureSpec, check_host_byte_order, tf_decode_feature
+
+__all__ = ["TFRecordSequenceSource"]
+
+log = logging.getLogger("keras_tfr")
+
+DEFAULT_SHUFFLE_MEMORY = "64MB"
+_POOL_BYTES = 4 << 20
+_READ_BUFFER = 1 << 20
+_CORRUPT_HINT = "the TFRecord CRC check failed or the file is truncated; run `keras-tfr verify`"
+
+
+class TFRecordSequenceSource(tf.data.Dataset):
+    """Streams a keras-tfr data set as batches for Keras, with bounded memory.
+
+    Args:
+        directory: the data set's directory (written by `ArraysToRecords`); local or any
+            `tf.io.gfile` URL (``gs://``, ``s3://``, ``hdfs://``, ``ram://``).
+        batch_size: samples per batch.
+        shuffle: shuffle shard order, records (in a buffer of ``shuffle_memory`` bytes) and
+            samples inside pools, anew each epoch. Default True, as in Keras' own
+            ``*_dataset_from_directory`` utilities; pass False to read in written order.
+        seed: makes shuffling and the validation split reproducible. Required with
+            ``validation_split``, and the same for both subsets.
+        drop_remainder: drop the last, partial batch.
+        validation_split: fraction (0 to 1) of the data reserved for validation; whole
+            records are assigned, so the two subsets are disjoint and together complete.
+        subset: ``"training"``, ``"validation"`` or ``"both"`` (then the constructor
+            returns... see `split`) — required with ``validation_split``.
+        shuffle_memory: the shuffle's memory budget in bytes (``"64MB"`` or an int).
+        on_corrupt: ``"raise"`` (default) stops on a damaged record with its file and byte
+            offset; ``"skip"`` logs it, drops it (TensorFlow's reader cannot resume inside
+            a shard, so the rest of that shard goes too), and fills the epoch from the
+            start of the data so that the step count stays the one Keras was given.
+        max_corrupt_records: with ``on_corrupt="skip"``, stop with an error once more than
+            this many records were dropped in this process.
+        num_parallel_reads: shards read at once (default: up to 8, tuned by tf.data).
+        deterministic: element order reproducible across runs; default True unless
+            ``shuffle=True`` without a ``seed``.
+        check_files: check at construction that every shard exists with its size.
+
+    Example:
+        >>> train = TFRecordSequenceSource("data/train", batch_size=256, shuffle=True,
+        ...                                seed=0, validation_split=0.1, subset="training")
+        >>> val = TFRecordSequenceSource("data/train", batch_size=256, shuffle=False,
+        ...                              seed=0, validation_split=0.1, subset="validation")
+        >>> model.fit(train, validation_data=val, epochs=5)
+        >>> len(train)  # steps per epoch, known before the first one
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        batch_size: int = 32,
+        *,
+        shuffle: bool = True,
+        seed: int | None = None,
+        drop_remainder: bool = False,
+        validation_split: float | None = None,
+        subset: str | None = None,
+        shuffle_memory: int | str = DEFAULT_SHUFFLE_MEMORY,
+        on_corrupt: str = "raise",
+        max_corrupt_records: int = 100,
+        num_parallel_reads: int | None = None,
+        deterministic: bool | None = None,
+        check_files: bool = True,
+        manifest: Manifest | None = None,
+    ):
+        check_host_byte_order()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+            raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
+        if batch_size < 1:
+            raise ValueError(f"Expected `batch_size` to be a positive int. Received: {batch_size}")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise TypeError(f"Expected `shuffle` to be a bool. Received: {shuffle!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"Expected `seed` to be an int or None. Received: {seed!r}")
+        if validation_split is not None:
+            if isinstance(validation_split, bool) or not isinstance(
+                validation_split, (int, float, np.floating)
+            ):
+                raise TypeError(
+                    f"Expected `validation_split` to be a float. Received: {validation_split!r}"
+                )
+            if not 0 < float(validation_split) < 1:
+                raise ValueError(
+                    "Expected `validation_split` to be between 0 and 1 (exclusive). "
+                    f"Received: {validation_split}"
+                )
+            if subset not in ("training", "validation"):
+                raise ValueError(
+                    "Expected `subset` to be 'training' or 'validation' when "
+                    f"`validation_split` is set. Received: subset={subset!r}"
+                )
+            if seed is None:
+                raise ValueError(
+                    "Expected a `seed` with `validation_split`: both subsets must use the same "
+                    "seed to be disjoint. Received: seed=None"
+                )
+        elif subset is not None:
+            raise ValueError(
+                f"`subset={subset!r}` needs `validation_split`. Received: validation_split=None"
+            )
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(
+                f"Expected `on_corrupt` to be 'raise' or 'skip'. Received: {on_corrupt!r}"
+            )
+        if (
+            isinstance(max_corrupt_records, bool)
+            or not isinstance(max_corrupt_records, int)
+            or max_corrupt_records < 0
+        ):
+            raise ValueError(
+                "Expected `max_corrupt_records` to be a non-negative int. "
+                f"Received: {max_corrupt_records!r}"
+            )
+        if num_parallel_reads is not None and (
+            not isinstance(num_parallel_reads, int) or num_parallel_reads < 1
+        ):
+            raise ValueError(
+                "Expected `num_parallel_reads` to be a positive int or None. "
+                f"Received: {num_parallel_reads!r}"
+            )
+        shuffle_bytes = parse_size(shuffle_memory, argument="shuffle_memory")
+
+        if manifest is None:
+            manifest = Manifest.load(os.fspath(directory), check_files=check_files)
+        self._manifest = manifest
+        self._config = dict(
+            directory=os.fspath(directory),
+            batch_size=int(batch_size),
+            shuffle=bool(shuffle),
+            seed=None if seed is None else int(seed),
+            drop_remainder=bool(drop_remainder),
+            validation_split=None if validation_split is None else float(validation_split),
+            subset=subset,
+            shuffle_memory=shuffle_memory,
+            on_corrupt=on_corrupt,
+            max_corrupt_records=max_corrupt_records,
+            num_parallel_reads=num_parallel_reads,
+            deterministic=deterministic,
+        )
+        self._batch_size = int(batch_size)
+        self._shuffle = bool(shuffle)
+        self._seed = None if seed is None else int(seed)
+        self._drop_remainder = bool(drop_remainder)
+        self._shuffle_bytes = shuffle_bytes
+        self._on_corrupt = on_corrupt
+        self._max_corrupt = max_corrupt_records
+        self._corrupt_lock = threading.Lock()
+        self.corrupt_records = 0
+        self._num_parallel_reads = num_parallel_reads
+        if deterministic is None:
+            deterministic = not (self._shuffle and self._seed is None)
+        self._deterministic = bool(deterministic)
+
+        self._keep = self._select_records(validation_split, subset)
+        self._num_samples = self._count_samples()
+        if self._num_samples == 0:
+            raise ValueError(
+                f"The {subset or 'selected'} subset of {directory} holds no samples "
+                f"(validation_split={validation_split}); use a smaller split or more data."
+            )
+        if self._drop_remainder:
+            self._steps = self._num_samples // self._batch_size
+        else:
+            self._steps = math.ceil(self._num_samples / self._batch_size)
+        if self._steps == 0:
+            raise ValueError(
+                f"`batch_size={batch_size}` with `drop_remainder=True` leaves no batch: the "
+                f"subset holds only {self._num_samples} samples."
+            )
+        self._impl = self._build()
+        super().__init__(self._impl._variant_tensor)
+
+    # ----------------------------------------------------------- tf.data.Dataset API
+
+    def _inputs(self) -> list:
+        return [self._impl]
+
+    @property
+    def element_spec(self) -> Any:
+        return self._impl.element_spec
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __repr__(self) -> str:
+        return (
+            f"<TFRecordSequenceSource {self._config['directory']!r}: {self._num_samples} "
+            f"samples, batch_size={self._batch_size}, {self._steps} steps, "
+            f"shuffle={self._shuffle}>"
+        )
+
+    # ----------------------------------------------------------- public extras
+
+    @property
+    def manifest(self) -> Manifest:
+        """The data set's `Manifest` (read once, when this source was built)."""
+        return self._manifest
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch in this subset."""
+        return self._num_samples
+
+    @property
+    def steps(self) -> int:
+        """Batches per epoch (``len(source)``)."""
+        return self._steps
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def replace(self, **changes: Any) -> TFRecordSequenceSource:
+        """A copy with some arguments changed, built from the manifest already in memory.
+
+        Example:
+            >>> bigger = source.replace(batch_size=512, shuffle_memory="256MB")
+        """
+        unknown = set(changes) - set(self._config)
+        if unknown:
+            raise TypeError(
+                f"`replace` got unknown arguments {sorted(unknown)}; expected some of "
+                f"{sorted(self._config)}"
+            )
+        config = {**self._config, **changes}
+        directory = config.pop("directory")
+        return TFRecordSequenceSource(directory, manifest=self._manifest, **config)
+
+    def with_batch_size(self, batch_size: int) -> TFRecordSequenceSource:
+        """A copy with another batch size (no re-reading of the manifest)."""
+        return self.replace(batch_size=batch_size)
+
+    # ----------------------------------------------------------- selection
+
+    def _record_samples(self) -> np.ndarray:
+        """Samples in each global record (only the data set's last record can be short)."""
+        m = self._manifest
+        counts = np.full(m.total_records, m.samples_per_record, dtype=np.int64)
+        if m.total_records:
+            counts[-1] = m.total_samples - (m.total_records - 1) * m.samples_per_record
+        return counts
+
+    def _select_records(self, split: float | None, subset: str | None) -> np.ndarray | None:
+        """Boolean mask over global records, or None for all of them.
+
+        Like Keras' ``validation_split``: a seeded permutation of the records; the first
+        ``round(split * records)`` of it (at least one, at most all but one) are validation.
+        """
+        if split is None:
+            return None
+        total = self._manifest.total_records
+        if total < 2:
+            raise ValueError(
+                f"`validation_split` needs at least 2 records; {self._config['directory']} "
+                f"holds {total}. Write with a smaller `samples_per_record`."
+            )
+        n_val = min(max(1, round(split * total)), total - 1)
+        perm = np.random.default_rng(self._seed).permutation(total)
+        is_val = np.zeros(total, dtype=bool)
+        is_val[perm[:n_val]] = True
+        return is_val if subset == "validation" else ~is_val
+
+    def _count_samples(self) -> int:
+        counts = self._record_samples()
+        if self._keep is None:
+            return int(counts.sum())
+        return int(counts[self._keep].sum())
+
+    # ----------------------------------------------------------- pipeline
+
+    def _build(self) -> tf.data.Dataset:
+        m = self._manifest
+        spr = m.samples_per_record
+        specs = sorted(m.features, key=lambda s: s.key)
+        record_bytes = max(1, m.record_bytes)
+        seed = self._seed
+
+        def op_seed(k: int) -> int | None:
+            return None if seed is None else seed * 7919 + k
+
+        files = [m.shard_path(s) for s in m.shards]
+        first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)
+        counts = np.array([s.records for s in m.shards], dtype=np.int64)
+        if self._keep is not None:
+            # Shards with no selected record are not opened at all.
+            keep_per_shard = [bool(self._keep[f : f + c].any()) for f, c in zip(first, counts)]
+            files = [f for f, k in zip(files, keep_per_shard) if k]
+            first = first[keep_per_shard]
+            counts = counts[keep_per_shard]
+        shards = tf.data.Dataset.from_tensor_slices(
+            (tf.constant(files, tf.string), tf.constant(first), tf.constant(counts))
+        )
+        if self._shuffle:
+            shards = shards.shuffle(len(files), seed=op_seed(1), reshuffle_each_iteration=True)
+
+        keep = None if self._keep is None else tf.constant(self._keep)
+        compression = m.compression or ""
+        skip_mode = self._on_corrupt == "skip"
+
+        def read_shard(path, first_record, n_records):
+            records = tf.data.TFRecordDataset(path, compression, buffer_size=_READ_BUFFER)
+            # TensorFlow's reader ends a shard at its first bad record; ignore_errors turns
+            # that into a short shard, which the scan below detects, names and counts.
+            records = records.ignore_errors().map(lambda r: (r, False))
+            sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
+
+            def scan_fn(state, elem):
+                index, offset = state
+                record, is_end = elem
+                if_end_ok = self._check_shard_end(path, index, offset, n_records, is_end)
+                length = tf.cast(tf.strings.length(record), tf.int64) + 16
+                new_state = (index + 1, offset + length)
+                return new_state, (index, record, is_end, if_end_ok)
+
+            scanned = records.concatenate(sentinel).scan(
+                (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), scan_fn
+            )
+            scanned = scanned.filter(lambda i, r, is_end, ok: tf.logical_and(ok, not_(is_end)))
+            if keep is not None:
+                scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
+            return scanned.map(lambda i, r, e, ok: r)
+
+        cycle = self._num_parallel_reads or min(8, max(2, os.cpu_count() or 2))
+        cycle = max(1, min(cycle, len(files)))
+        if self._shuffle:
+            records = shards.interleave(
+                read_shard,
+                cycle_length=cycle,
+                block_length=1,
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=self._deterministic,
+            )
+            buffer_records = max(1, (self._shuffle_bytes * 3 // 4) // record_bytes)
+            records = records.shuffle(
+                min(buffer_records, m.total_records), seed=op_seed(2), reshuffle_each_iteration=True
+            )
+        else:
+            # block_length covers a whole shard, so shards come out one after another in
+            # written order while the next ones are already being read.
+            records = shards.interleave(
+                read_shard,
+                cycle_length=cycle,
+                block_length=int(max(counts.max(initial=1), 1)),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True,
+            )
+
+        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
+        if self._shuffle:
+            pool_bytes = min(pool_bytes, max(record_bytes, self._shuffle_bytes // 4))
+        pool_records = max(1, pool_bytes // record_bytes)
+        records = records.batch(pool_records)
+
+        feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
+        feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
+        has_short_record = m.total_samples % spr != 0
+        shuffle = self._shuffle
+
+        def decode_pool(serialized, rand):
+            parsed = tf.io.parse_example(serialized, feature_spec)
+            counts_ = parsed[COUNT_KEY]
+            decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in specs}
+            if shuffle:
+                if has_short_record:
+                    valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
+                    idx = tf.where(valid)[:, 0]
+                else:
+                    idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
+                idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
+                decoded = {k: tf.gather(v, idx) for k, v in decoded.items()}
+            elif has_short_record:
+                n = tf.reduce_sum(counts_)
+                decoded = {k: v[:n] for k, v in decoded.items()}
+            return decoded
+
+        if shuffle:
+            rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
+            rng = rng.batch(2)
+            pools = tf.data.Dataset.zip((records, rng)).map(
+                decode_pool, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self._deterministic
+            )
+        else:
+            pools = records.map(
+                lambda s: decode_pool(s, None),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True,
+            )
+        batches = pools.rebatch(self._batch_size, drop_remainder=self._drop_remainder)
+        batches = batches.map(self._structure_fn(specs))
+        if skip_mode:
+            # Dropped records would shorten the epoch: fill it from the next pass instead,
+            # so Keras always gets exactly the step count it was given.
+            batches = batches.repeat().take(self._steps)
+        batches = batches.prefetch(tf.data.AUTOTUNE)
+        batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
+        options = tf.data.Options()
+        options.deterministic = self._deterministic
+        options.experimental_optimization.map_parallelization = True
+        batches = batches.with_options(options)
+        return batches
+
+    def _check_shard_end(self, path, index, offset, n_records, is_end):
+        """At a shard's end marker: True if all records were read, else raise or skip."""
+        complete = tf.logical_or(tf.logical_not(is_end), tf.equal(index, n_records))
+        if self._on_corrupt == "raise":
+            message = tf.strings.join(
+                [
+                    "keras-tfr: corrupt record in ",
+                    path,
+                    " at byte offset ",
+                    tf.strings.as_string(offset),
+                    " (record ",
+                    tf.strings.as_string(index),
+                    " of ",
+                    tf.strings.as_string(n_records),
+                    "): " + _CORRUPT_HINT,
+                ]
+            )
+            assert_op = tf.debugging.Assert(complete, [message], summarize=1)
+            with tf.control_dependencies([assert_op]):
+                return tf.identity(tf.constant(True))
+
+        def report(p, off, idx, n):
+            return np.bool_(self._report_skip(p.numpy().decode(), int(off), int(idx), int(n)))
+
+        return tf.cond(
+            complete,
+            lambda: tf.constant(True),
+            lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
+        )
+
+    def _report_skip(self, path: str, offset: int, index: int, n_records: int) -> bool:
+        lost = n_records - index
+        with self._corrupt_lock:
+            self.corrupt_records += lost
+            total = self.corrupt_records
+        log.warning(
+            "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d) "
+            "and the %d record(s) after it in that shard; %d record(s) skipped so far",
+            path,
+            offset,
+            index,
+            n_records,
+            lost - 1,
+            total,
+        )
+        if total > self._max_corrupt:
+            raise RuntimeError(
+                f"keras-tfr: {total} corrupt records skipped, more than "
+                f"max_corrupt_records={self._max_corrupt}; last in {path} at byte offset "
+                f"{offset}. Run `keras-tfr verify` on the data set."
+            )
+        return True
+
+    def _structure_fn(self, specs: list[FeatureSpec]):
+        structure = self._manifest.structure
+
+        def role_value(decoded, role):
+            kind = structure[role]
+            role_specs = [s for s in specs if s.role == role]
+            if kind == "array":
+                return decoded[role_specs[0].key]
+            if kind == "dict":
+                return {s.name: decoded[s.key] for s in role_specs}
+            return tuple(decoded[s.key] for s in sorted(role_specs, key=lambda s: int(s.name)))
+
+        roles = [r for r in ("x", "y", "sample_weight") if r in structure]
+
+        def fn(decoded):
+            values = tuple(role_value(decoded, r) for r in roles)
+            return values[0] if len(values) == 1 else values
+
+        return fn
+
+
+def not_(t):
+    return tf.logical_not(t)

@@ -1,0 +1,188 @@
+"""Reads every record of a data set and checks it against the manifest.
+
+`verify` checks, per shard: the file exists with the recorded size; every record passes
+its TFRecord CRCs; every record is a well-formed Example of the manifest's schema with the
+recorded sample count; the records and samples add up; and the zlib CRC-32 over the
+record payloads equals the manifest's checksum. It reports every bad shard by name, with
+the byte offset of the first bad record where there is one.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+from keras_tfr import _io
+from keras_tfr.manifest import Manifest, ShardInfo
+from keras_tfr.schema import COUNT_KEY
+
+__all__ = ["VerifyReport", "verify", "verify_shard"]
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of `verify`: `ok`, and per bad shard its problems."""
+
+    directory: str
+    shards_checked: int = 0
+    records_checked: int = 0
+    samples_checked: int = 0
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return (
+                f"OK: {self.directory}: {self.shards_checked} shards, {self.records_checked} "
+                f"records, {self.samples_checked} samples verified"
+            )
+        lines = [f"FAILED: {self.directory}: {len(self.problems)} bad shard(s)"]
+        for name, probs in self.problems.items():
+            lines.extend(f"  {name}: {p}" for p in probs)
+        return "\n".join(lines)
+
+
+def _iter_records(path: str, compression: str | None):
+    """Yields (offset, record bytes); offset is None for compressed files."""
+    import tensorflow as tf
+
+    if compression is None:
+        try:
+            from tensorflow.python.lib.io import _pywrap_record_io
+
+            reader = _pywrap_record_io.RandomRecordReader(path)
+        except Exception:  # private API moved: fall back to the plain iterator
+            reader = None
+        if reader is not None:
+            offset = 0
+            try:
+                while True:
+                    try:
+                        record, next_offset = reader.read(offset)
+                    except IndexError:  # clean end of file
+                        return
+                    except Exception as e:
+                        if type(e).__name__ == "OutOfRangeError" or "end of file" in str(e).lower():
+                            return
+                        raise _RecordError(offset, e) from e
+                    yield offset, record
+                    offset = next_offset
+            finally:
+                reader.close()
+            return
+    options = tf.io.TFRecordOptions(compression_type=compression or "")
+    it = tf.compat.v1.io.tf_record_iterator(path, options)
+    while True:
+        try:
+            record = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            raise _RecordError(None, e) from e
+        yield None, record
+
+
+class _RecordError(Exception):
+    def __init__(self, offset, cause):
+        super().__init__(str(cause))
+        self.offset = offset
+        self.cause = cause
+
+
+def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
+    """Returns the problems of one shard (empty when it is sound)."""
+    from keras_tfr._proto import ProtoError, parse_example_bytes
+
+    path = manifest.shard_path(shard)
+    try:
+        actual = _io.size(path)
+    except Exception:
+        return ["missing"]
+    problems = []
+    if actual != shard.bytes:
+        problems.append(f"{actual} bytes, the manifest records {shard.bytes}")
+    crc = 0
+    records = samples = 0
+    keys = {f.key: f for f in manifest.features}
+    spr = manifest.samples_per_record
+    record_index = 0
+    try:
+        for offset, record in _iter_records(path, manifest.compression):
+            where = f"record {record_index}" + (
+                f" at byte offset {offset}" if offset is not None else ""
+            )
+            crc = zlib.crc32(record, crc)
+            try:
+                fields = parse_example_bytes(record)
+            except ProtoError as e:
+                problems.append(f"{where}: not a valid Example ({e})")
+                break
+            count = fields.get(COUNT_KEY)
+            if not isinstance(count, int) or not 1 <= count <= spr:
+                problems.append(f"{where}: bad sample count {count!r}")
+                break
+            for key, spec in keys.items():
+                raw = fields.get(key)
+                if not isinstance(raw, memoryview) or len(raw) != count * spec.sample_bytes:
+                    problems.append(f"{where}: feature `{key}` is missing or has the wrong size")
+                    break
+            records += 1
+            samples += count
+            record_index += 1
+    except _RecordError as e:
+        where = f"record {record_index}" + (
+            f" at byte offset {e.offset}" if e.offset is not None else ""
+        )
+        problems.append(f"{where}: corrupt ({type(e.cause).__name__}: {str(e.cause)[:200]})")
+        return problems
+    if problems:
+        return problems
+    if records != shard.records or samples != shard.samples:
+        problems.append(
+            f"holds {records} records / {samples} samples, the manifest records "
+            f"{shard.records} / {shard.samples}"
+        )
+    if f"crc32:{crc:08x}" != shard.checksum:
+        problems.append(f"checksum crc32:{crc:08x} differs from the manifest's {shard.checksum}")
+    return problems
+
+
+def verify(directory: str, *, verbose: int = 0) -> VerifyReport:
+    """Reads every record of the data set in `directory` and checks it.
+
+    Args:
+        directory: the data set's directory.
+        verbose: 1 shows a progress bar over shards.
+
+    Returns:
+        A `VerifyReport`; ``report.ok`` is False when any shard is bad, and
+        ``report.problems`` maps each bad shard's file name to its problems.
+
+    Raises:
+        ManifestError: the manifest itself is missing or invalid.
+
+    Example:
+        >>> report = verify("data/train")
+        >>> print(report.summary())
+    """
+    manifest = Manifest.load(directory, check_files=False)
+    report = VerifyReport(directory=str(directory))
+    bar = None
+    if verbose:
+        import keras
+
+        bar = keras.utils.Progbar(len(manifest.shards), unit_name="shard")
+    for i, shard in enumerate(manifest.shards):
+        probs = verify_shard(manifest, shard)
+        report.shards_checked += 1
+        if probs:
+            report.problems[shard.file] = probs
+        else:
+            report.records_checked += shard.records
+            report.samples_checked += shard.samples
+        if bar is not None:
+            bar.update(i + 1)
+    return report

@@ -1,0 +1,804 @@
+"""`ArraysToRecords`: arrays, memmaps, h5py data sets and iterables of batches -> shards.
+
+Memory stays bounded by one chunk (``chunk_size``, 16 MB by default) plus one partial
+block, whatever the size of the input: arrays are sliced chunk by chunk, so a memmap or
+an h5py data set larger than RAM converts with flat memory.
+
+Crash safety: shards are written under temporary names (``*.tmp``) and renamed when
+complete; a journal (``.keras-tfr-progress.json``) lists the completed shards; the
+manifest is written last and atomically. An exception inside ``with ArraysToRecords(...)``,
+Ctrl-C or a killed process leaves no manifest, so no reader mistakes the partial data for
+a data set, and ``resume=True`` continues from the last complete shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_tfr import _io
+from keras_tfr._version import __version__
+from keras_tfr.errors import DatasetExistsError, IncompleteDatasetError
+from keras_tfr.manifest import (
+    COMPRESSIONS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    PROGRESS_NAME,
+    Manifest,
+    ShardInfo,
+    parse_size,
+)
+from keras_tfr.schema import MAX_RECORD_BYTES, BlockEncoder, FeatureSpec, to_le_bytes
+
+__all__ = ["ArraysToRecords"]
+
+log = logging.getLogger("keras_tfr")
+
+DEFAULT_SHARD_SIZE = "128MB"
+DEFAULT_RECORD_SIZE = "256KB"
+DEFAULT_CHUNK_SIZE = "16MB"
+_SHARD_FILE = "shard-{:05d}.tfrecord"
+_SHARD_RE = re.compile(r"^shard-\d{5,}\.tfrecord(\.tmp)?$")
+
+
+def _is_array_like(v: Any) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__getitem__")
+
+
+def _flatten(role: str, value: Any) -> tuple[str, list[tuple[str, Any]]] | None:
+    """Returns (structure, [(name, array_like)]) for one role, or None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError(f"Expected `{role}` to be a non-empty dict of arrays. Received: {{}}")
+        items = []
+        for k in sorted(value, key=str):
+            if not isinstance(k, str) or not k or "/" in k or "\x00" in k or len(k) > 255:
+                raise ValueError(
+                    f"Expected the keys of `{role}` to be non-empty strings without '/'. "
+                    f"Received: key {k!r}"
+                )
+            items.append((k, _as_array_like(value[k], f"{role}[{k!r}]")))
+        return "dict", items
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"Expected `{role}` to be a non-empty list of arrays. Received: []")
+        return "list", [(str(i), _as_array_like(v, f"{role}[{i}]")) for i, v in enumerate(value)]
+    return "array", [("", _as_array_like(value, role))]
+
+
+def _as_array_like(v: Any, argument: str) -> Any:
+    if _is_array_like(v):
+        return v
+    if isinstance(v, (int, float, bool, np.generic)):
+        raise ValueError(
+            f"Expected `{argument}` to be an array whose first axis indexes samples. "
+            f"Received: the scalar {v!r}"
+        )
+    if hasattr(v, "numpy") and callable(v.numpy):  # tf / torch / jax tensors
+        return np.asarray(v.numpy())
+    try:
+        return np.asarray(v)
+    except Exception as e:
+        raise TypeError(
+            f"Expected `{argument}` to be a NumPy array, np.memmap, h5py data set or any "
+            f"array-like with `shape`, `dtype` and slicing. Received: {type(v).__name__}"
+        ) from e
+
+
+class _Batch:
+    """One validated `write` call: specs in key order, their arrays and the sample count."""
+
+    def __init__(self, structure: dict[str, str], specs: list[FeatureSpec], arrays: list[Any]):
+        self.structure = structure
+        self.specs = specs
+        self.arrays = arrays
+        self.n = int(arrays[0].shape[0])
+
+
+class ArraysToRecords(keras.callbacks.Callback):
+    """Writes samples to a sharded TFRecord data set, chunk by chunk, with bounded memory.
+
+    Use it as a context manager and call `write` any number of times, or call
+    `ArraysToRecords.from_arrays` once. The data set is complete (its ``manifest.json``
+    exists) only after the ``with`` block ends without an exception (or `close` returns).
+
+    It is also a `keras.callbacks.Callback`: attached to ``model.predict(..., callbacks=[w])``
+    it writes each batch's outputs as they come (see `keras_tfr.predict_to_records` for a
+    version that does not gather outputs in memory).
+
+    Args:
+        directory: where the data set goes (local path, or a ``gs://``, ``s3://``,
+            ``hdfs://`` or ``ram://`` URL). Created if missing.
+        shard_size: target bytes per shard file, e.g. ``"128MB"`` or an int.
+        record_size: target bytes per record (a block of consecutive samples). Larger blocks
+            cut per-element overhead when reading; smaller ones shuffle more finely.
+        samples_per_record: fixes the samples per record instead of `record_size`.
+        compression: ``None``, ``"GZIP"`` or ``"ZLIB"``.
+        overwrite: replace a data set (or an unfinished conversion) in `directory`.
+        resume: continue an unfinished conversion from its last complete shard. The
+            samples to skip are in `resumed_samples`; `from_arrays` skips them itself.
+        expected_samples: total samples, when known: sizes the progress bar.
+        min_shards: split into at least this many shards when `expected_samples` is known
+            (file-based sharding across workers needs several shards per worker).
+        chunk_size: bytes of input read and converted at a time (bounds memory).
+        verbose: 1 shows a `keras.utils.Progbar`, 0 is silent.
+        metadata: a JSON-serializable dict stored in the manifest as ``user_metadata``.
+
+    Example:
+        >>> with ArraysToRecords("data/train", shard_size="64MB") as writer:
+        ...     for xb, yb in chunks:
+        ...         writer.write(xb, yb)
+        >>> writer.manifest.total_samples
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        shard_size: int | str = DEFAULT_SHARD_SIZE,
+        record_size: int | str = DEFAULT_RECORD_SIZE,
+        samples_per_record: int | None = None,
+        compression: str | None = None,
+        overwrite: bool = False,
+        resume: bool = False,
+        expected_samples: int | None = None,
+        min_shards: int = 1,
+        chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+        verbose: int = 1,
+        metadata: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise TypeError(
+                f"Expected `directory` to be a path or URL string. Received: {directory!r}"
+            )
+        self.directory = os.fspath(directory)
+        self.shard_size = parse_size(shard_size, argument="shard_size")
+        self.record_size = parse_size(record_size, argument="record_size")
+        self.chunk_size = parse_size(chunk_size, argument="chunk_size")
+        if self.record_size > MAX_RECORD_BYTES:
+            raise ValueError(
+                f"Expected `record_size` to be below 2 GiB (the protobuf limit). "
+                f"Received: {record_size!r}"
+            )
+        if samples_per_record is not None and (
+            isinstance(samples_per_record, bool)
+            or not isinstance(samples_per_record, int)
+            or samples_per_record < 1
+        ):
+            raise ValueError(
+                "Expected `samples_per_record` to be a positive int or None. "
+                f"Received: {samples_per_record!r}"
+            )
+        if isinstance(compression, str):
+            compression = compression.upper() or None
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                f"Expected `compression` to be one of {COMPRESSIONS}. Received: {compression!r}"
+            )
+        if overwrite and resume:
+            raise ValueError(
+                "`overwrite=True` and `resume=True` contradict each other: pass one of them."
+            )
+        if expected_samples is not None and (
+            not isinstance(expected_samples, int) or expected_samples < 0
+        ):
+            raise ValueError(
+                "Expected `expected_samples` to be a non-negative int or None. "
+                f"Received: {expected_samples!r}"
+            )
+        if isinstance(min_shards, bool) or not isinstance(min_shards, int) or min_shards < 1:
+            raise ValueError(
+                f"Expected `min_shards` to be a positive int. Received: {min_shards!r}"
+            )
+        if verbose not in (0, 1, 2, True, False):
+            raise ValueError(f"Expected `verbose` to be 0, 1 or 2. Received: {verbose!r}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"Expected `metadata` to be a dict or None. Received: {metadata!r}")
+        self.samples_per_record_arg = samples_per_record
+        self.compression = compression
+        self.overwrite = bool(overwrite)
+        self.resume = bool(resume)
+        self.expected_samples = expected_samples
+        self.min_shards = min_shards
+        self.verbose = int(verbose)
+        self.metadata = dict(metadata or {})
+
+        self.manifest: Manifest | None = None
+        self.resumed_samples = 0
+        self._opened = False
+        self._closed = False
+        self._lock = _io.DirectoryLock(self.directory)
+        self._old_files: list[str] = []
+        self._cleared_old = False
+        self._structure: dict[str, str] | None = None
+        self._specs: list[FeatureSpec] | None = None
+        self._encoder: BlockEncoder | None = None
+        self._spr = 0
+        self._record_bytes = 0
+        self._records_per_shard = 0
+        self._shards: list[ShardInfo] = []
+        self._pending: list[list[np.ndarray]] = []
+        self._pending_count = 0
+        self._samples_written = 0
+        self._shard_writer = None
+        self._shard_tmp = ""
+        self._shard_samples = 0
+        self._shard_records = 0
+        self._shard_crc = 0
+        self._progbar = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def samples_written(self) -> int:
+        """Samples accepted so far, including those of resumed shards."""
+        return self._samples_written + self._pending_count
+
+    def __enter__(self) -> ArraysToRecords:
+        self._open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Appends a batch of samples.
+
+        Args:
+            x: inputs: an array-like (first axis = samples), a dict of them (named inputs)
+                or a list of them.
+            y: targets, structured the same ways, or None.
+            sample_weight: per-sample weights, or None.
+
+        Raises:
+            ValueError, TypeError: the batch does not fit (different lengths, unsupported
+                dtype, a shape or structure that differs from earlier batches, empty input).
+                Nothing is written when this is raised.
+        """
+        if self._closed:
+            raise RuntimeError(f"This writer for {self.directory} is already closed.")
+        batch = self._validate(x, y, sample_weight)
+        self._open()
+        self._clear_old_once()
+        if self._specs is None:
+            self._set_schema(batch)
+        self._append(batch)
+
+    def close(self) -> Manifest:
+        """Flushes the last block, closes the last shard and writes the manifest.
+
+        Returns:
+            The data set's `Manifest`.
+        """
+        if self._closed:
+            if self.manifest is None:
+                raise RuntimeError("This writer was aborted; no data set was written.")
+            return self.manifest
+        try:
+            self._open()
+            if self._specs is None or self.samples_written == 0:
+                raise ValueError(
+                    f"No samples were written to {self.directory}: call `write` with at least "
+                    "one sample before closing."
+                )
+            self._clear_old_once()
+            if self._pending_count:
+                self._flush_pending()
+            self._close_shard()
+            manifest = Manifest(
+                structure=dict(self._structure or {}),
+                features=list(self._specs),
+                samples_per_record=self._spr,
+                record_bytes=self._record_bytes,
+                compression=self.compression,
+                shards=list(self._shards),
+                writer_version=__version__,
+                user_metadata=self.metadata,
+            )
+            manifest.save(self.directory)  # the data set exists from here on
+            _io.remove(_io.join(self.directory, PROGRESS_NAME))
+            self.manifest = manifest
+            if self._progbar is not None:
+                self._progbar.update(self.samples_written, finalize=True)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._lock.release()
+        log.info(
+            "keras-tfr: wrote %d samples in %d shards to %s",
+            manifest.total_samples,
+            len(manifest.shards),
+            self.directory,
+        )
+        return manifest
+
+    def abort(self) -> None:
+        """Stops without a manifest: removes the unfinished shard and keeps the completed
+        ones (and their journal) so that ``resume=True`` can continue."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shard_writer is not None:
+            try:
+                self._shard_writer.close()
+            except Exception:
+                pass
+            self._shard_writer = None
+            _io.remove(self._shard_tmp)
+        self._lock.release()
+
+    @classmethod
+    def from_arrays(
+        cls,
+        x: Any,
+        y: Any = None,
+        directory: str | os.PathLike | None = None,
+        *,
+        sample_weight: Any = None,
+        shard_size: int | str = DEFAULT_SHARD_SIZE,
+        record_size: int | str = DEFAULT_RECORD_SIZE,
+        samples_per_record: int | None = None,
+        compression: str | None = None,
+        overwrite: bool = False,
+        resume: bool = False,
+        min_shards: int = 8,
+        chunk_size: int | str = DEFAULT_CHUNK_SIZE,
+        verbose: int = 1,
+        metadata: dict[str, Any] | None = None,
+    ) -> Manifest:
+        """Converts arrays (or an iterable of batches) in one call.
+
+        Args:
+            x: an array-like, a dict or list of them, or an iterable of batches where each
+                batch is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``.
+            y: targets (arrays only; an iterable carries its own targets).
+            directory: where the data set goes. ``from_arrays(x, "dir")`` also works.
+            sample_weight: per-sample weights (arrays only).
+            min_shards: write at least this many shards (when there are enough records).
+            Other arguments: as for `ArraysToRecords`.
+
+        Returns:
+            The written data set's `Manifest`.
+
+        Example:
+            >>> x = np.load("x.npy", mmap_mode="r"); y = np.load("y.npy", mmap_mode="r")
+            >>> ArraysToRecords.from_arrays(x, y, "data/train")
+        """
+        if directory is None and isinstance(y, (str, os.PathLike)):
+            directory, y = y, None
+        if directory is None:
+            raise TypeError("Expected `directory` (the data set's path). Received: None")
+        kwargs = dict(
+            shard_size=shard_size,
+            record_size=record_size,
+            samples_per_record=samples_per_record,
+            compression=compression,
+            overwrite=overwrite,
+            resume=resume,
+            min_shards=min_shards,
+            chunk_size=chunk_size,
+            verbose=verbose,
+            metadata=metadata,
+        )
+        if _is_batch_iterable(x):
+            if y is not None or sample_weight is not None:
+                raise ValueError(
+                    "Expected `y` and `sample_weight` to be None when `x` is an iterable of "
+                    "batches (each batch carries its own `(x, y, sample_weight)`)."
+                )
+            with cls(directory, **kwargs) as writer:
+                skip = writer.resumed_samples
+                for item in x:
+                    parts = _split_batch(item)
+                    n = _batch_len(parts)
+                    if skip:
+                        if n <= skip:
+                            skip -= n
+                            continue
+                        parts = tuple(_slice(p, skip, n) for p in parts)
+                        skip = 0
+                    writer.write(*parts)
+            assert writer.manifest is not None
+            return writer.manifest
+        # Validate everything before anything is touched on disk.
+        probe = cls(directory, **kwargs)
+        batch = probe._validate(x, y, sample_weight)
+        kwargs["expected_samples"] = batch.n
+        with cls(directory, **kwargs) as writer:
+            start = writer.resumed_samples
+            if start > batch.n:
+                raise ValueError(
+                    f"The unfinished conversion in {directory} already holds {start} samples, "
+                    f"more than the {batch.n} given: resume it with the same input."
+                )
+            if start < batch.n:
+                writer._write_validated(batch, start)
+        assert writer.manifest is not None
+        return writer.manifest
+
+    # ------------------------------------------------------------------ Keras callback
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Writes the batch's predictions (as ``x``) when used as a predict callback."""
+        outputs = (logs or {}).get("outputs")
+        if outputs is None:
+            return
+        outputs = keras.tree.map_structure(
+            lambda t: np.asarray(keras.ops.convert_to_numpy(t)), outputs
+        )
+        self.write(outputs)
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _validate(self, x: Any, y: Any, sample_weight: Any) -> _Batch:
+        if x is None:
+            raise ValueError("Expected `x` to hold at least one array. Received: x=None")
+        structure: dict[str, str] = {}
+        specs: list[FeatureSpec] = []
+        arrays: list[Any] = []
+        for role, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+            flat = _flatten(role, value)
+            if flat is None:
+                continue
+            kind, items = flat
+            structure[role] = kind
+            for name, arr in items:
+                argument = role if kind == "array" else f"{role}[{name!r}]"
+                spec = FeatureSpec.from_array(role, name, arr, argument=argument)
+                specs.append(spec)
+                arrays.append(arr)
+        lengths = {s.key: int(a.shape[0]) for s, a in zip(specs, arrays)}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(
+                "Expected `x`, `y` and `sample_weight` to hold the same number of samples. "
+                f"Received: {', '.join(f'{k}: {v}' for k, v in lengths.items())}"
+            )
+        n = next(iter(lengths.values()))
+        if n == 0:
+            raise ValueError("Expected at least one sample. Received: empty arrays (0 samples).")
+        for s in specs:
+            if s.sample_bytes == 0:
+                raise ValueError(
+                    f"Expected samples of `{s.key}` to hold at least one value. "
+                    f"Received: per-sample shape {s.shape}"
+                )
+        order = sorted(range(len(specs)), key=lambda i: specs[i].key)
+        specs = [specs[i] for i in order]
+        arrays = [arrays[i] for i in order]
+        if self._specs is not None:
+            self._check_same_schema(structure, specs)
+        return _Batch(structure, specs, arrays)
+
+    def _check_same_schema(self, structure: dict[str, str], specs: list[FeatureSpec]) -> None:
+        if structure != self._structure:
+            raise ValueError(
+                "Expected every batch to have the structure of the first one. "
+                f"Expected: {self._structure}. Received: {structure}"
+            )
+        old = {s.key: s for s in self._specs or []}
+        new = {s.key: s for s in specs}
+        if set(old) != set(new):
+            raise ValueError(
+                "Expected every batch to hold the features of the first one. "
+                f"Expected: {sorted(old)}. Received: {sorted(new)}"
+            )
+        for k, s in new.items():
+            o = old[k]
+            if (s.dtype, s.shape) != (o.dtype, o.shape):
+                raise ValueError(
+                    f"Expected `{k}` to keep dtype {o.dtype} and per-sample shape {o.shape} "
+                    f"across batches. Received: dtype {s.dtype}, shape {s.shape}"
+                )
+
+    def _open(self) -> None:
+        if self._opened:
+            return
+        if self._closed:
+            raise RuntimeError(f"This writer for {self.directory} is already closed.")
+        _io.makedirs(self.directory)
+        self._lock.acquire()
+        try:
+            self._inspect_directory()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._opened = True
+        if self.verbose:
+            self._progbar = keras.utils.Progbar(
+                self.expected_samples, verbose=self.verbose, unit_name="sample"
+            )
+            if self.resumed_samples:
+                self._progbar.update(self.resumed_samples)
+
+    def _inspect_directory(self) -> None:
+        manifest_path = _io.join(self.directory, MANIFEST_NAME)
+        progress_path = _io.join(self.directory, PROGRESS_NAME)
+        has_manifest = _io.exists(manifest_path)
+        has_progress = _io.exists(progress_path)
+        if has_manifest and not self.overwrite:
+            raise DatasetExistsError(
+                f"{self.directory} already holds a keras-tfr data set ({MANIFEST_NAME} exists). "
+                "Pass `overwrite=True` to replace it, or choose another directory."
+            )
+        if has_progress and not (self.resume or self.overwrite):
+            raise IncompleteDatasetError(
+                f"{self.directory} holds an unfinished conversion. Pass `resume=True` to "
+                "continue it from its last complete shard, or `overwrite=True` to start over."
+            )
+        if self.overwrite:
+            # Deleted at the first valid `write`, so bad input leaves the old data intact.
+            self._old_files = [n for n in _io.listdir(self.directory) if _SHARD_RE.match(n)] + [
+                PROGRESS_NAME,
+                MANIFEST_NAME,
+            ]
+            return
+        for name in _io.listdir(self.directory):
+            if name.endswith(".tfrecord.tmp") and _SHARD_RE.match(name):
+                _io.remove(_io.join(self.directory, name))  # left by a killed writer
+        if has_progress and self.resume:
+            self._load_progress(progress_path)
+        elif self.resume:
+            log.info(
+                "keras-tfr: nothing to resume in %s; starting a new conversion", self.directory
+            )
+        stray = [n for n in _io.listdir(self.directory) if _SHARD_RE.match(n)]
+        known = {s.file for s in self._shards}
+        stray = [n for n in stray if n not in known]
+        if stray:
+            raise IncompleteDatasetError(
+                f"{self.directory} holds shard files that no manifest or journal lists "
+                f"({', '.join(sorted(stray)[:5])}). Pass `overwrite=True` to replace them."
+            )
+
+    def _clear_old_once(self) -> None:
+        if self._cleared_old or not self.overwrite:
+            return
+        self._cleared_old = True
+        # The manifest goes first: from then on no reader takes the directory for a data set.
+        for name in [MANIFEST_NAME, *self._old_files]:
+            _io.remove(_io.join(self.directory, name))
+
+    def _load_progress(self, path: str) -> None:
+        import json
+
+        try:
+            journal = json.loads(_io.read_bytes(path).decode("utf-8"))
+            if journal.get("format") != FORMAT_NAME or journal.get("format_version") != (
+                FORMAT_VERSION
+            ):
+                raise ValueError("unknown journal format")
+            probe = Manifest.from_json(
+                {
+                    "format": FORMAT_NAME,
+                    "format_version": FORMAT_VERSION,
+                    **journal["config"],
+                    "shards": journal["shards"],
+                },
+                source=path,
+            )
+            records_per_shard = int(journal["records_per_shard"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise IncompleteDatasetError(
+                f"The journal {path} of the unfinished conversion is damaged ({e}); "
+                "start over with `overwrite=True`."
+            ) from e
+        probe.directory = self.directory
+        from keras_tfr.verify import verify_shard
+
+        kept: list[ShardInfo] = []
+        for shard in probe.shards:
+            problems = verify_shard(probe, shard)
+            if problems:
+                log.warning("keras-tfr: not resuming from %s: %s", shard.file, "; ".join(problems))
+                break
+            kept.append(shard)
+        for shard in probe.shards[len(kept) :]:
+            _io.remove(_io.join(self.directory, shard.file))
+        self._structure = probe.structure
+        self._specs = sorted(probe.features, key=lambda s: s.key)
+        self._encoder = BlockEncoder(self._specs)
+        self._spr = probe.samples_per_record
+        self._record_bytes = probe.record_bytes
+        self.compression = probe.compression
+        self._records_per_shard = records_per_shard
+        self._shards = kept
+        self._samples_written = sum(s.samples for s in kept)
+        self.resumed_samples = self._samples_written
+        log.info(
+            "keras-tfr: resuming %s after %d complete shards (%d samples)",
+            self.directory,
+            len(kept),
+            self.resumed_samples,
+        )
+
+    def _set_schema(self, batch: _Batch) -> None:
+        self._structure = dict(batch.structure)
+        self._specs = list(batch.specs)
+        self._encoder = BlockEncoder(self._specs)
+        sample_bytes = sum(s.sample_bytes for s in self._specs)
+        if self.samples_per_record_arg is not None:
+            spr = self.samples_per_record_arg
+        else:
+            spr = max(1, self.record_size // sample_bytes)
+        if spr * sample_bytes > MAX_RECORD_BYTES:
+            raise ValueError(
+                f"A record of {spr} samples of {sample_bytes} bytes would pass the 2 GiB "
+                "protobuf limit: lower `samples_per_record`."
+            )
+        self._spr = spr
+        self._record_bytes = len(
+            self._encoder.encode(spr, [b"\0" * (spr * s.sample_bytes) for s in self._specs])
+        )
+        per_shard = max(1, self.shard_size // (self._record_bytes + 16))
+        if self.expected_samples:
+            total_records = math.ceil(self.expected_samples / spr)
+            per_shard = min(per_shard, max(1, math.ceil(total_records / self.min_shards)))
+        self._records_per_shard = per_shard
+
+    def _write_validated(self, batch: _Batch, start: int = 0) -> None:
+        self._open()
+        self._clear_old_once()
+        if self._specs is None:
+            self._set_schema(batch)
+        else:
+            self._check_same_schema(batch.structure, batch.specs)
+        self._append(batch, start)
+
+    def _append(self, batch: _Batch, start: int = 0) -> None:
+        assert self._specs is not None
+        spr = self._spr
+        n = batch.n
+        i = start
+        if self._pending_count:
+            take = min(spr - self._pending_count, n - i)
+            for slot, (spec, arr) in enumerate(zip(batch.specs, batch.arrays)):
+                self._pending[slot].append(to_le_bytes(arr[i : i + take], spec).copy())
+            self._pending_count += take
+            i += take
+            if self._pending_count == spr:
+                self._flush_pending()
+        sample_bytes = sum(s.sample_bytes for s in batch.specs)
+        chunk_blocks = max(1, self.chunk_size // max(1, sample_bytes * spr))
+        while n - i >= spr:
+            nblocks = min(chunk_blocks, (n - i) // spr)
+            end = i + nblocks * spr
+            views = []
+            for spec, arr in zip(batch.specs, batch.arrays):
+                views.append((memoryview(to_le_bytes(arr[i:end], spec)).cast("B"), spec))
+            for b in range(nblocks):
+                payloads = []
+                for mv, spec in views:
+                    bb = spr * spec.sample_bytes
+                    payloads.append(mv[b * bb : (b + 1) * bb])
+                self._emit(spr, payloads)
+            i = end
+            self._samples_written += nblocks * spr
+            if self._progbar is not None:
+                self._progbar.update(self.samples_written)
+        if i < n:
+            if not self._pending:
+                self._pending = [[] for _ in batch.specs]
+            for slot, (spec, arr) in enumerate(zip(batch.specs, batch.arrays)):
+                self._pending[slot].append(to_le_bytes(arr[i:n], spec).copy())
+            self._pending_count += n - i
+            if self._progbar is not None:
+                self._progbar.update(self.samples_written)
+
+    def _flush_pending(self) -> None:
+        count = self._pending_count
+        payloads = [b"".join(memoryview(a).cast("B") for a in parts) for parts in self._pending]
+        self._pending = [[] for _ in self._specs or []]
+        self._pending_count = 0
+        self._emit(count, payloads)
+        self._samples_written += count
+
+    def _emit(self, count: int, payloads: list[Any]) -> None:
+        assert self._encoder is not None
+        record = self._encoder.encode(count, payloads)
+        if self._shard_writer is None:
+            self._open_shard()
+        self._shard_writer.write(record)
+        self._shard_crc = zlib.crc32(record, self._shard_crc)
+        self._shard_records += 1
+        self._shard_samples += count
+        if self._shard_records >= self._records_per_shard:
+            self._close_shard()
+
+    def _open_shard(self) -> None:
+        import tensorflow as tf
+
+        name = _SHARD_FILE.format(len(self._shards))
+        self._shard_tmp = _io.join(self.directory, name + ".tmp")
+        options = tf.io.TFRecordOptions(compression_type=self.compression or "")
+        self._shard_writer = tf.io.TFRecordWriter(self._shard_tmp, options)
+        self._shard_samples = self._shard_records = self._shard_crc = 0
+
+    def _close_shard(self) -> None:
+        if self._shard_writer is None:
+            return
+        self._shard_writer.close()
+        self._shard_writer = None
+        name = _SHARD_FILE.format(len(self._shards))
+        final = _io.join(self.directory, name)
+        _io.rename(self._shard_tmp, final)
+        self._shards.append(
+            ShardInfo(
+                file=name,
+                samples=self._shard_samples,
+                records=self._shard_records,
+                bytes=_io.size(final),
+                checksum=f"crc32:{self._shard_crc:08x}",
+            )
+        )
+        self._write_progress()
+
+    def _write_progress(self) -> None:
+        assert self._specs is not None
+        journal = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "writer_version": __version__,
+            "records_per_shard": self._records_per_shard,
+            "config": {
+                "structure": self._structure,
+                "features": [s.to_json() for s in self._specs],
+                "samples_per_record": self._spr,
+                "record_bytes": self._record_bytes,
+                "compression": self.compression,
+            },
+            "shards": [s.to_json() for s in self._shards],
+        }
+        _io.write_json_atomic(_io.join(self.directory, PROGRESS_NAME), journal)
+
+
+def _is_batch_iterable(x: Any) -> bool:
+    if x is None or _is_array_like(x) or isinstance(x, (Mapping, list, tuple, str, bytes)):
+        return False
+    return isinstance(x, Iterable)
+
+
+def _split_batch(item: Any) -> tuple:
+    if isinstance(item, tuple):
+        if not 1 <= len(item) <= 3:
+            raise ValueError(
+                "Expected each batch to be `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`. "
+                f"Received: a tuple of {len(item)} elements"
+            )
+        return item
+    return (item,)
+
+
+def _batch_len(parts: tuple) -> int:
+    first = parts[0]
+    while isinstance(first, (Mapping, list, tuple)):
+        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
+    return int(np.shape(first)[0])
+
+
+def _slice(part: Any, start: int, stop: int) -> Any:
+    if part is None:
+        return None
+    if isinstance(part, Mapping):
+        return {k: _slice(v, start, stop) for k, v in part.items()}
+    if isinstance(part, (list, tuple)):
+        return type(part)(_slice(v, start, stop) for v in part)
+    return part[start:stop]
