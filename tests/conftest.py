@@ -1,0 +1,33 @@
+"""Shared fixtures: small synthetic data sets written into `tmp_path`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def small_xy():
+    """34 samples (does not divide by 4, 8 or 16): float32 images and int64 labels."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((34, 5, 3)).astype(np.float32)
+    y = np.arange(34, dtype=np.int64)
+    return x, y
+
+
+@pytest.fixture
+def make_dataset(tmp_path):
+    """Writes arrays to `tmp_path/name` and returns the directory (as a str)."""
+    from keras_tfr import ArraysToRecords
+
+    def make(x, y=None, name="ds", sample_weight=None, **kwargs):
+        kwargs.setdefault("verbose", 0)
+        directory = str(tmp_path / name)
+        ArraysToRecords.from_arrays(x, y, directory, sample_weight=sample_weight, **kwargs)
+        return directory
+
+    return make
