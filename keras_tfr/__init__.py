@@ -75,3 +75,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+def _apply_gpu_limit_from_environment() -> None:
+    # Opt-in, for launchers such as `keras-tfr parallel`: a cap set in the environment
+    # applies at import, before TensorFlow, JAX or torch start on the GPU. Without one of
+    # these variables, importing keras_tfr imports nothing heavy and changes nothing.
+    import os
+
+    if any(
+        os.environ.get(name, "").strip()
+        for name in ("KERAS_TFR_GPU_MEMORY_MB", "KERAS_TFR_GPU_MEMORY_FRACTION")
+    ):
+        from keras_tfr.gpu import _limit_from_environment
+
+        _limit_from_environment()
+
+
+_apply_gpu_limit_from_environment()
+del _apply_gpu_limit_from_environment

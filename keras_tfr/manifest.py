@@ -17,10 +17,13 @@ field                  meaning
 ``structure``          per role present (``x``, ``y``, ``sample_weight``): ``"array"``,
                        ``"dict"`` or ``"list"``: how the source rebuilds what Keras sees
 ``features``           list of ``{role, name, key, dtype, shape}``; ``key`` is the
-                       Example feature holding the bytes (see `keras_tfr.schema`)
+                       Example feature holding the bytes (see `keras_tfr.schema`);
+                       variable-length features add ``kind`` (``"ragged"`` or
+                       ``"bytes"``); fixed ones carry no ``kind`` field
 ``samples_per_record`` samples in each record (block); only the last record of the data
                        set may hold fewer
-``record_bytes``       size of a full record's serialized Example, in bytes
+``record_bytes``       size of a full record's serialized Example, in bytes (with a
+                       non-fixed feature: an estimate of the average record's size)
 ``compression``        ``null``, ``"GZIP"`` or ``"ZLIB"`` (TFRecord compression)
 ``total_samples``      samples in the data set
 ``total_records``      records in the data set
@@ -42,7 +45,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +58,7 @@ from keras_tfr.schema import (
     MAX_SAMPLE_BYTES,
     ROLES,
     SUPPORTED_DTYPES,
+    FEATURE_KINDS,
     FeatureSpec,
 )
 
@@ -192,6 +195,9 @@ class Manifest:
                 f"Expected `directory` to be a keras-tfr data set directory with a "
                 f"{MANIFEST_NAME}. Received: {directory!r}, which has none."
             )
+        size = _io.size(path)  # checked before reading: the file may be hostile
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
         raw = _io.read_bytes(path)
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{path} is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
@@ -227,10 +233,14 @@ class Manifest:
 
     @classmethod
     def from_json_bytes(cls, raw: bytes, *, source: str = "manifest") -> Manifest:
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise ManifestError(f"{source}: expected bytes, got {type(raw).__name__}")
         try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{source} is not valid JSON: {e}") from e
+            obj = json.loads(bytes(raw).decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            # ValueError covers bad UTF-8, bad JSON and integers of over 4300 digits;
+            # RecursionError, arrays nested thousands deep.
+            raise ManifestError(f"{source} is not valid JSON: {str(e)[:200]}") from e
         return cls.from_json(obj, source=source)
 
     @classmethod
@@ -292,7 +302,12 @@ class Manifest:
                 isinstance(d, bool) or not isinstance(d, int) or d < 0 or d > 1 << 31 for d in shape
             ):
                 raise fail(f"`{where}shape` {shape!r:.80} is not a valid shape")
-            spec = FeatureSpec(role=role, name=name, dtype=dtype, shape=tuple(shape))
+            kind = f.get("kind", "fixed")  # absent for fixed features (format version 1)
+            if kind not in FEATURE_KINDS:
+                raise fail(f"`{where}kind` {kind!r:.40} is not one of {FEATURE_KINDS}")
+            if kind == "bytes" and (dtype != "uint8" or shape):
+                raise fail(f"`{where}` a 'bytes' feature must have dtype uint8 and shape []")
+            spec = FeatureSpec(role=role, name=name, dtype=dtype, shape=tuple(shape), kind=kind)
             if spec.sample_bytes > MAX_SAMPLE_BYTES:
                 raise fail(f"`{where}` samples of {spec.sample_bytes} bytes exceed the limit")
             if "key" in f and f["key"] != spec.key:
@@ -317,6 +332,9 @@ class Manifest:
         if compression not in COMPRESSIONS:
             raise fail(f"`compression` {compression!r:.40} is not one of {COMPRESSIONS}")
         raw_shards = get(obj, "shards", list)
+        fixed_sample_bytes = sum(
+            f.sample_bytes for f in features if getattr(f, "kind", "fixed") == "fixed"
+        )
         if len(raw_shards) > MAX_SHARDS:
             raise fail("too many shards")
         shards = []
@@ -340,10 +358,19 @@ class Manifest:
             checksum = get(s, "checksum", str, where)
             if not (0 <= samples <= MAX_SAMPLES and 0 <= nbytes < 1 << 50):
                 raise fail(f"`{where}` counts are out of range")
-            if records != math.ceil(samples / spr):
+            if records != -(-samples // spr):
                 raise fail(
                     f"`{where}records` is {records}; {samples} samples in records of {spr} "
-                    f"need {math.ceil(samples / spr)}"
+                    f"need {-(-samples // spr)}"
+                )
+            # The file must be able to hold what the shard claims (16 bytes of framing per
+            # record plus the fixed features' payloads; deflate packs at most 1032:1), so
+            # counts that drive allocations are bounded by the real file size.
+            least = records * 16 + samples * fixed_sample_bytes
+            if (nbytes if compression is None else nbytes * 1032 + 1024) < least:
+                raise fail(
+                    f"`{where}bytes` {nbytes} cannot hold {records} records of {samples} "
+                    f"samples ({least} bytes at least)"
                 )
             if i < len(raw_shards) - 1 and samples % spr:
                 raise fail(f"`{where}samples` {samples} is not a multiple of {spr}")

@@ -37,6 +37,8 @@ import numpy as np
 __all__ = ["COUNT_KEY", "ROLES", "FeatureSpec", "check_dtype", "decode_example", "encode_block"]
 
 COUNT_KEY = "__count__"
+LENGTHS_SUFFIX = "__lengths__"
+FEATURE_KINDS = ("fixed", "ragged", "bytes")
 ROLES = ("x", "y", "sample_weight")
 
 # dtype name -> itemsize. Little-endian raw bytes for every one of them.
@@ -86,13 +88,25 @@ class FeatureSpec:
         role: ``"x"`` (model input), ``"y"`` (target) or ``"sample_weight"``.
         name: the dict key or list position within the role; ``""`` for a single array.
         dtype: NumPy dtype name, one of `SUPPORTED_DTYPES`.
-        shape: the shape of one sample (``()`` for scalars).
+        shape: the shape of one sample (``()`` for scalars); for a ``"ragged"`` feature the
+            shape of one row, after the sample's variable-length first axis.
+        kind: ``"fixed"`` (every sample has `shape`), ``"ragged"`` (samples of varying
+            length along their first axis) or ``"bytes"`` (one byte string per sample, e.g.
+            an encoded PNG; dtype ``uint8``, shape ``()``). A block stores a non-fixed
+            feature's samples back to back in ``<key>`` and their lengths (rows, or bytes)
+            as little-endian int64 in ``<key>/__lengths__``.
     """
 
     role: str
     name: str
     dtype: str
     shape: tuple[int, ...]
+    kind: str = "fixed"
+
+    @property
+    def lengths_key(self) -> str:
+        """Example key of a non-fixed feature's per-sample lengths."""
+        return f"{self.key}/{LENGTHS_SUFFIX}"
 
     @property
     def key(self) -> str:
@@ -122,10 +136,14 @@ class FeatureSpec:
             "key": self.key,
             "dtype": self.dtype,
             "shape": list(self.shape),
+            **({} if self.kind == "fixed" else {"kind": self.kind}),
         }
 
     @classmethod
     def from_array(cls, role: str, name: str, array: Any, *, argument: str) -> FeatureSpec:
+        kind = getattr(array, "feature_kind", "fixed")  # writer._Variable: ragged / bytes
+        if kind != "fixed":
+            return cls(role, name, array.dtype.name, tuple(array.row_shape), kind)
         dt = check_dtype(array.dtype, argument=argument)
         shape = tuple(int(d) for d in array.shape)
         if len(shape) == 0:
@@ -221,13 +239,33 @@ class BlockEncoder:
         return result
 
     def encode(self, count: int, payloads: list[Any]) -> bytes:
-        """`payloads[i]` holds `count` samples of `self.specs[i]` as raw bytes (buffer)."""
+        """`payloads[i]` holds `count` samples of `self.specs[i]` as raw bytes (buffer);
+        for a non-fixed spec, a pair ``(values, lengths)`` of buffers."""
+        if any(s.kind != "fixed" for s in self.specs):
+            return self._encode_variable(count, payloads)
         example_header, entries, count_entry = self._headers(count)
         parts: list[Any] = [example_header, count_entry]
         for header, payload in zip(entries, payloads):
             parts.append(header)
             parts.append(payload)
         return b"".join(parts)
+
+    def _encode_variable(self, count: int, payloads: list[Any]) -> bytes:
+        # Headers depend on each block's payload sizes: computed per block.
+        count_entry = _int64_entry(COUNT_KEY, count)
+        parts: list[Any] = []
+        total = len(count_entry)
+        for spec, payload in zip(self.specs, payloads):
+            if spec.kind == "fixed":
+                items = [(spec.key, payload)]
+            else:
+                items = [(spec.key, payload[0]), (spec.lengths_key, payload[1])]
+            for key, p in items:
+                header, size = _bytes_entry_header(key, memoryview(p).nbytes)
+                parts.append(header)
+                parts.append(p)
+                total += size
+        return b"".join([_len_field(1, total), count_entry, *parts])
 
 
 def encode_block(specs: list[FeatureSpec], arrays: dict[str, np.ndarray]) -> bytes:
@@ -257,6 +295,9 @@ def decode_example(specs: list[FeatureSpec], record: bytes) -> dict[str, np.ndar
     out = {}
     for spec in specs:
         raw = fields.get(spec.key)
+        if spec.kind != "fixed":
+            out[spec.key] = _decode_variable(spec, raw, fields.get(spec.lengths_key), count)
+            continue
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise ValueError(f"record has no bytes feature `{spec.key}`")
         if len(raw) != count * spec.sample_bytes:
@@ -270,6 +311,48 @@ def decode_example(specs: list[FeatureSpec], record: bytes) -> dict[str, np.ndar
         else:
             arr = arr.astype(np.dtype(spec.dtype), copy=False)
         out[spec.key] = arr.reshape((count, *spec.shape))
+    return out
+
+
+def variable_lengths(spec: FeatureSpec, raw: Any, lengths: Any, count: int) -> np.ndarray:
+    """Checks a non-fixed feature's payload against its lengths; returns the lengths.
+
+    Raises:
+        ValueError: the lengths are missing, negative or do not add up to the payload.
+    """
+    if isinstance(raw, list) and not raw:
+        raw = b""  # an Example's empty BytesList
+    if not isinstance(raw, (bytes, bytearray, memoryview)) or not isinstance(
+        lengths, (bytes, bytearray, memoryview)
+    ):
+        raise ValueError(f"record has no bytes features `{spec.key}` and `{spec.lengths_key}`")
+    if len(lengths) != 8 * count:
+        raise ValueError(f"feature `{spec.lengths_key}` holds {len(lengths)} bytes, not {8 * count}")
+    n = np.frombuffer(lengths, "<i8")
+    row = spec.sample_bytes
+    if (n < 0).any() or int(n.sum()) * row != len(raw):
+        raise ValueError(
+            f"feature `{spec.key}` holds {len(raw)} bytes; the lengths in "
+            f"`{spec.lengths_key}` need {int(n.sum()) * row}"
+        )
+    return n
+
+
+def _decode_variable(spec: FeatureSpec, raw: Any, lengths: Any, count: int) -> np.ndarray:
+    """A 1-D object array: per sample an array of shape ``(length, *shape)``, or bytes."""
+    n = variable_lengths(spec, raw, lengths, count)
+    out = np.empty(count, dtype=object)
+    buf = bytes(raw)
+    ends = np.cumsum(n) * spec.sample_bytes
+    start = 0
+    for i, end in enumerate(ends.tolist()):
+        if spec.kind == "bytes":
+            out[i] = buf[start:end]
+        else:
+            a = np.frombuffer(buf[start:end], np.uint8 if spec.dtype == "bool" else spec.np_dtype)
+            a = a.astype(np.dtype(spec.dtype), copy=False) if spec.dtype != "bool" else a.astype(bool)
+            out[i] = a.reshape((-1, *spec.shape))
+        start = end
     return out
 
 
@@ -304,3 +387,30 @@ def tf_decode_feature(raw_bytes, spec: FeatureSpec, block_samples: int):
         return x
     x = tf.reshape(u8, [-1, *spec.shape, spec.itemsize])
     return tf.bitcast(x, tf.as_dtype(spec.dtype))
+
+
+def tf_decode_variable(raw_bytes, raw_lengths, spec: FeatureSpec):
+    """Decodes a [k] string tensor of non-fixed block payloads and their lengths.
+
+    Returns a `tf.RaggedTensor` ``[n, None, *shape]`` for a ``"ragged"`` feature, or a
+    ``[n]`` string tensor for a ``"bytes"`` feature, ``n`` being the samples of the k
+    blocks (short blocks hold no padding here). One join of the k payloads, one
+    `decode_raw` and a zero-copy `bitcast`; strings are cut with one `substr`.
+    """
+    import tensorflow as tf
+
+    lengths = tf.io.decode_raw(tf.strings.reduce_join(raw_lengths), tf.int64)
+    joined = tf.strings.reduce_join(raw_bytes)
+    if spec.kind == "bytes":
+        offsets = tf.cumsum(lengths, exclusive=True)
+        return tf.strings.substr(joined, offsets, lengths)
+    u8 = tf.io.decode_raw(joined, tf.uint8)
+    if spec.itemsize == 1:
+        values = tf.reshape(u8, [-1, *spec.shape])
+        if spec.dtype == "bool":
+            values = tf.cast(values, tf.bool)
+        elif spec.dtype == "int8":
+            values = tf.bitcast(values, tf.int8)
+    else:
+        values = tf.bitcast(tf.reshape(u8, [-1, *spec.shape, spec.itemsize]), tf.as_dtype(spec.dtype))
+    return tf.RaggedTensor.from_row_lengths(values, lengths, validate=False)

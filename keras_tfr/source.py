@@ -41,7 +41,10 @@ log = logging.getLogger("keras_tfr")
 DEFAULT_SHUFFLE_MEMORY = "64MB"
 _POOL_BYTES = 4 << 20
 _READ_BUFFER = 1 << 20
-_CORRUPT_HINT = "the TFRecord CRC check failed or the file is truncated; run `keras-tfr verify`"
+_CORRUPT_HINT = (
+    "the record failed its TFRecord CRC check, or the file is truncated or unreadable; "
+    "run `keras-tfr verify` on the data set"
+)
 
 
 class TFRecordSequenceSource(tf.data.Dataset):
@@ -183,6 +186,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self._max_corrupt = max_corrupt_records
         self._corrupt_lock = threading.Lock()
         self.corrupt_records = 0
+        self._corrupt_seen: set[tuple[str, int]] = set()
         self._num_parallel_reads = num_parallel_reads
         if deterministic is None:
             deterministic = not (self._shuffle and self._seed is None)
@@ -469,18 +473,24 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def _report_skip(self, path: str, offset: int, index: int, n_records: int) -> bool:
         lost = n_records - index
         with self._corrupt_lock:
-            self.corrupt_records += lost
+            # Counted once per damaged record, not once per pass: filling the epoch and
+            # every later epoch read the same damage again.
+            new = (path, index) not in self._corrupt_seen
+            if new:
+                self._corrupt_seen.add((path, index))
+                self.corrupt_records += lost
             total = self.corrupt_records
-        log.warning(
-            "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d) "
-            "and the %d record(s) after it in that shard; %d record(s) skipped so far",
-            path,
-            offset,
-            index,
-            n_records,
-            lost - 1,
-            total,
-        )
+        if new:
+            log.warning(
+                "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d) "
+                "and the %d record(s) after it in that shard; %d record(s) skipped so far",
+                path,
+                offset,
+                index,
+                n_records,
+                lost - 1,
+                total,
+            )
         if total > self._max_corrupt:
             raise RuntimeError(
                 f"keras-tfr: {total} corrupt records skipped, more than "

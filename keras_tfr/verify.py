@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from keras_tfr import _io
 from keras_tfr.manifest import Manifest, ShardInfo
-from keras_tfr.schema import COUNT_KEY
+from keras_tfr.schema import COUNT_KEY, variable_lengths
 
 __all__ = ["VerifyReport", "verify", "verify_shard"]
 
@@ -126,6 +126,13 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
                 break
             for key, spec in keys.items():
                 raw = fields.get(key)
+                if spec.kind != "fixed":
+                    try:
+                        variable_lengths(spec, raw, fields.get(spec.lengths_key), count)
+                    except ValueError as e:
+                        problems.append(f"{where}: {e}")
+                        break
+                    continue
                 if not isinstance(raw, memoryview) or len(raw) != count * spec.sample_bytes:
                     problems.append(f"{where}: feature `{key}` is missing or has the wrong size")
                     break

@@ -26,7 +26,7 @@ import numpy as np
 
 from keras_tfr import _io
 from keras_tfr._version import __version__
-from keras_tfr.errors import DatasetExistsError, IncompleteDatasetError
+from keras_tfr.errors import DatasetExistsError, IncompleteDatasetError, ManifestError
 from keras_tfr.manifest import (
     COMPRESSIONS,
     FORMAT_NAME,
@@ -37,7 +37,13 @@ from keras_tfr.manifest import (
     ShardInfo,
     parse_size,
 )
-from keras_tfr.schema import MAX_RECORD_BYTES, BlockEncoder, FeatureSpec, to_le_bytes
+from keras_tfr.schema import (
+    MAX_RECORD_BYTES,
+    BlockEncoder,
+    FeatureSpec,
+    check_dtype,
+    to_le_bytes,
+)
 
 __all__ = ["ArraysToRecords"]
 
@@ -54,10 +60,17 @@ def _is_array_like(v: Any) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__getitem__")
 
 
-def _flatten(role: str, value: Any) -> tuple[str, list[tuple[str, Any]]] | None:
-    """Returns (structure, [(name, array_like)]) for one role, or None when absent."""
+def _flatten(
+    role: str, value: Any, variable: frozenset = frozenset()
+) -> tuple[str, list[tuple[str, Any]]] | None:
+    """Returns (structure, [(name, array_like)]) for one role, or None when absent.
+
+    `variable` holds the feature keys declared variable-length (``variable_length=``).
+    """
     if value is None:
         return None
+    if role in variable and isinstance(value, (list, tuple)):
+        return "array", [("", _Variable.from_values(value, role))]
     if isinstance(value, Mapping):
         if not value:
             raise ValueError(f"Expected `{role}` to be a non-empty dict of arrays. Received: {{}}")
@@ -68,16 +81,21 @@ def _flatten(role: str, value: Any) -> tuple[str, list[tuple[str, Any]]] | None:
                     f"Expected the keys of `{role}` to be non-empty strings without '/'. "
                     f"Received: key {k!r}"
                 )
-            items.append((k, _as_array_like(value[k], f"{role}[{k!r}]")))
+            items.append((k, _as_array_like(value[k], f"{role}[{k!r}]", f"{role}/{k}" in variable)))
         return "dict", items
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"Expected `{role}` to be a non-empty list of arrays. Received: []")
-        return "list", [(str(i), _as_array_like(v, f"{role}[{i}]")) for i, v in enumerate(value)]
-    return "array", [("", _as_array_like(value, role))]
+        return "list", [
+            (str(i), _as_array_like(v, f"{role}[{i}]", f"{role}/{i}" in variable))
+            for i, v in enumerate(value)
+        ]
+    return "array", [("", _as_array_like(value, role, role in variable))]
 
 
-def _as_array_like(v: Any, argument: str) -> Any:
+def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
+    if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
+        return _Variable.from_values(v, argument)
     if _is_array_like(v):
         return v
     if isinstance(v, (int, float, bool, np.generic)):
@@ -94,6 +112,106 @@ def _as_array_like(v: Any, argument: str) -> Any:
             f"Expected `{argument}` to be a NumPy array, np.memmap, h5py data set or any "
             f"array-like with `shape`, `dtype` and slicing. Received: {type(v).__name__}"
         ) from e
+
+
+class _Variable:
+    """A variable-length feature's samples: arrays of varying first axis, or byte strings.
+
+    Looks like an array of ``len(items)`` samples to the writer (``shape``, ``dtype``,
+    slicing); `FeatureSpec.from_array` reads ``feature_kind`` and ``row_shape``.
+    """
+
+    def __init__(self, items: list, kind: str, dtype: np.dtype, row_shape: tuple[int, ...]):
+        self.items = items
+        self.feature_kind = kind
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self.shape = (len(items),)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: slice) -> _Variable:
+        return _Variable(self.items[index], self.feature_kind, self.dtype, self.row_shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.feature_kind == "bytes":
+            return sum(len(v) for v in self.items)
+        return sum(a.nbytes for a in self.items)
+
+    @classmethod
+    def from_values(cls, values: Any, argument: str) -> _Variable:
+        if isinstance(values, np.ndarray) and values.dtype != object:
+            if values.ndim < 2:
+                raise ValueError(
+                    f"Expected `{argument}` (declared variable-length) to hold samples of at "
+                    f"least one dimension. Received: an array of shape {values.shape}"
+                )
+            values = list(values)
+        items = list(values)
+        if not items:
+            raise ValueError(f"Expected at least one sample in `{argument}`. Received: none.")
+        if all(isinstance(v, (bytes, bytearray, memoryview, np.bytes_)) for v in items):
+            items = [bytes(v) if not isinstance(v, bytes) else v for v in items]
+            return cls(items, "bytes", np.dtype(np.uint8), ())
+        arrays = []
+        first = None
+        for i, v in enumerate(items):
+            if isinstance(v, (str, bytes, bytearray, memoryview, dict)) or v is None:
+                raise TypeError(
+                    f"Expected `{argument}` to be a list (or 1-D object array) of NumPy arrays "
+                    "of at least one dimension, or of byte strings (all of one kind). "
+                    f"Received: element {i} of type {type(v).__name__}"
+                    + (" (encode strings to bytes first)" if isinstance(v, str) else "")
+                )
+            a = np.asarray(v)
+            if a.dtype == object or a.ndim == 0:
+                raise TypeError(
+                    f"Expected `{argument}` to be a list (or 1-D object array) of NumPy arrays "
+                    "of at least one dimension, or of byte strings. Received: element "
+                    f"{i} of dtype {a.dtype} and shape {a.shape}"
+                )
+            if first is None:
+                first = a
+                dt = check_dtype(a.dtype, argument=argument)
+            elif a.dtype != first.dtype or a.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"Expected every sample of `{argument}` to have dtype {first.dtype} and "
+                    f"shape (length, *{first.shape[1:]}). Received: element {i} of dtype "
+                    f"{a.dtype} and shape {a.shape}"
+                )
+            arrays.append(a)
+        le = dt.newbyteorder("<") if dt.itemsize > 1 else dt
+        if dt == np.bool_:
+            arrays = [np.ascontiguousarray(a, dtype=np.bool_).view(np.uint8) for a in arrays]
+        else:
+            arrays = [np.ascontiguousarray(a, dtype=le) for a in arrays]
+        return cls(arrays, "ragged", dt, tuple(int(d) for d in first.shape[1:]))
+
+    def payload(self) -> tuple[bytes, bytes]:
+        """The block's values back to back, and per sample its length (rows or bytes)."""
+        if self.feature_kind == "bytes":
+            lengths = [len(v) for v in self.items]
+        else:
+            lengths = [a.shape[0] for a in self.items]
+            values = b"".join(a.reshape(-1).view(np.uint8) for a in self.items)
+            return values, np.asarray(lengths, dtype="<i8").tobytes()
+        return b"".join(self.items), np.asarray(lengths, dtype="<i8").tobytes()
+
+
+def _join_payload(spec: FeatureSpec, parts: list[Any]) -> Any:
+    """One block's payload of `spec` from the parts pending for it."""
+    if spec.kind == "fixed":
+        return b"".join(memoryview(a).cast("B") for a in parts)
+    items = [item for part in parts for item in part.items]
+    return _Variable(items, spec.kind, np.dtype(spec.dtype), spec.shape).payload()
+
+
+def _mean_sample_bytes(spec: FeatureSpec, array: Any) -> float:
+    if spec.kind == "fixed":
+        return float(spec.sample_bytes)
+    return array.nbytes / max(1, len(array)) + 8
 
 
 class _Batch:
@@ -134,6 +252,10 @@ class ArraysToRecords(keras.callbacks.Callback):
         chunk_size: bytes of input read and converted at a time (bounds memory).
         verbose: 1 shows a `keras.utils.Progbar`, 0 is silent.
         metadata: a JSON-serializable dict stored in the manifest as ``user_metadata``.
+        variable_length: feature keys (``"x"``, ``"y"``, ``"x/tokens"``, ...) whose samples
+            vary in length: give them as lists of arrays (varying first axis) or of byte
+            strings (e.g. encoded PNGs). A 1-D object array of such values is detected
+            without being declared. Records then differ in size.
 
     Example:
         >>> with ArraysToRecords("data/train", shard_size="64MB") as writer:
@@ -157,8 +279,12 @@ class ArraysToRecords(keras.callbacks.Callback):
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
         verbose: int = 1,
         metadata: dict[str, Any] | None = None,
+        variable_length: Iterable[str] = (),
     ):
         super().__init__()
+        if isinstance(variable_length, str):
+            variable_length = (variable_length,)
+        self.variable_length = frozenset(variable_length)
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise TypeError(
                 f"Expected `directory` to be a path or URL string. Received: {directory!r}"
@@ -206,6 +332,16 @@ class ArraysToRecords(keras.callbacks.Callback):
             raise ValueError(f"Expected `verbose` to be 0, 1 or 2. Received: {verbose!r}")
         if metadata is not None and not isinstance(metadata, dict):
             raise TypeError(f"Expected `metadata` to be a dict or None. Received: {metadata!r}")
+        if metadata is not None:
+            import json
+
+            try:  # checked now, not when the manifest is written after all the data
+                json.dumps(metadata, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    "Expected `metadata` to be a JSON-serializable dict (str keys; str, "
+                    f"number, bool, None, list or dict values). Received: {metadata!r:.200} ({e})"
+                ) from e
         self.samples_per_record_arg = samples_per_record
         self.compression = compression
         self.overwrite = bool(overwrite)
@@ -452,6 +588,12 @@ class ArraysToRecords(keras.callbacks.Callback):
     def _validate(self, x: Any, y: Any, sample_weight: Any) -> _Batch:
         if x is None:
             raise ValueError("Expected `x` to hold at least one array. Received: x=None")
+        if sample_weight is not None and y is None:
+            raise ValueError(
+                "Expected `y` with `sample_weight`: Keras weighs each sample's loss against "
+                "its target, so a data set with sample weights needs targets. "
+                f"Received: y=None and sample_weight of type {type(sample_weight).__name__}"
+            )
         structure: dict[str, str] = {}
         specs: list[FeatureSpec] = []
         arrays: list[Any] = []
@@ -546,13 +688,18 @@ class ArraysToRecords(keras.callbacks.Callback):
             )
         if self.overwrite:
             # Deleted at the first valid `write`, so bad input leaves the old data intact.
-            self._old_files = [n for n in _io.listdir(self.directory) if _SHARD_RE.match(n)] + [
-                PROGRESS_NAME,
-                MANIFEST_NAME,
-            ]
+            self._old_files = [
+                n for n in _io.listdir(self.directory) if _SHARD_RE.match(n) or _is_atomic_tmp(n)
+            ] + [PROGRESS_NAME, MANIFEST_NAME]
+            if has_manifest:
+                try:  # shards of another writer may have other names: the manifest knows them
+                    old = Manifest.load(self.directory, check_files=False)
+                    self._old_files += [s.file for s in old.shards]
+                except (ManifestError, OSError):
+                    pass
             return
         for name in _io.listdir(self.directory):
-            if name.endswith(".tfrecord.tmp") and _SHARD_RE.match(name):
+            if (name.endswith(".tfrecord.tmp") and _SHARD_RE.match(name)) or _is_atomic_tmp(name):
                 _io.remove(_io.join(self.directory, name))  # left by a killed writer
         if has_progress and self.resume:
             self._load_progress(progress_path)
@@ -563,6 +710,12 @@ class ArraysToRecords(keras.callbacks.Callback):
         stray = [n for n in _io.listdir(self.directory) if _SHARD_RE.match(n)]
         known = {s.file for s in self._shards}
         stray = [n for n in stray if n not in known]
+        if stray and has_progress and self.resume:
+            # Beyond the journal (a writer killed between a rename and its journal entry,
+            # or shards that failed their check): this conversion's own, rewritten now.
+            for name in stray:
+                _io.remove(_io.join(self.directory, name))
+            stray = []
         if stray:
             raise IncompleteDatasetError(
                 f"{self.directory} holds shard files that no manifest or journal lists "
@@ -690,6 +843,9 @@ class ArraysToRecords(keras.callbacks.Callback):
                     bb = spr * spec.sample_bytes
                     payloads.append(mv[b * bb : (b + 1) * bb])
                 self._emit(spr, payloads)
+            del views
+            for arr in batch.arrays:
+                _release_pages(arr, i, end)
             i = end
             self._samples_written += nblocks * spr
             if self._progbar is not None:
@@ -739,17 +895,19 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._shard_writer = None
         name = _SHARD_FILE.format(len(self._shards))
         final = _io.join(self.directory, name)
-        _io.rename(self._shard_tmp, final)
         self._shards.append(
             ShardInfo(
                 file=name,
                 samples=self._shard_samples,
                 records=self._shard_records,
-                bytes=_io.size(final),
+                bytes=_io.size(self._shard_tmp),
                 checksum=f"crc32:{self._shard_crc:08x}",
             )
         )
+        # Journal first, then rename: a kill in between leaves a journal entry whose file
+        # is missing (resume checks and rewrites it), never a shard no journal lists.
         self._write_progress()
+        _io.rename(self._shard_tmp, final)
 
     def _write_progress(self) -> None:
         assert self._specs is not None
@@ -768,6 +926,11 @@ class ArraysToRecords(keras.callbacks.Callback):
             "shards": [s.to_json() for s in self._shards],
         }
         _io.write_json_atomic(_io.join(self.directory, PROGRESS_NAME), journal)
+
+
+def _is_atomic_tmp(name: str) -> bool:
+    """A temporary file of `_io.write_atomic` (manifest or journal) left by a killed writer."""
+    return name.startswith((MANIFEST_NAME + ".tmp-", PROGRESS_NAME + ".tmp-"))
 
 
 def _is_batch_iterable(x: Any) -> bool:
@@ -802,3 +965,36 @@ def _slice(part: Any, start: int, stop: int) -> Any:
     if isinstance(part, (list, tuple)):
         return type(part)(_slice(v, start, stop) for v in part)
     return part[start:stop]
+
+
+def _release_pages(arr: Any, start: int, stop: int) -> None:
+    """Drops the converted rows of a read-only or shared memmap from this process' memory.
+
+    Pages of a file mapping that were read stay mapped, and count in RSS, until unmapped:
+    converting a memmap larger than RAM would look like it loads the whole file.
+    ``MADV_DONTNEED`` on a read-only or shared mapping only drops the mapping's pages (the
+    data stays in the file and the page cache); copy-on-write (mode ``"c"``) maps are left alone.
+    """
+    if not isinstance(arr, np.memmap) or getattr(arr, "mode", "c") not in ("r", "r+", "readonly"):
+        return
+    if not arr.flags.c_contiguous or arr.ndim == 0:
+        return
+    try:
+        import ctypes
+        import mmap
+
+        row = arr.strides[0]
+        base = arr.__array_interface__["data"][0]
+        page = mmap.PAGESIZE
+        lo = base + start * row
+        hi = base + stop * row
+        lo_aligned = (lo + page - 1) // page * page
+        hi_aligned = hi // page * page
+        if hi_aligned <= lo_aligned:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(
+            ctypes.c_void_p(lo_aligned), ctypes.c_size_t(hi_aligned - lo_aligned), mmap.MADV_DONTNEED
+        )
+    except (OSError, AttributeError, ValueError):
+        pass

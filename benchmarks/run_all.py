@@ -1,0 +1,579 @@
+"""keras-tfr benchmarks: read, fit and write, side by side with the usual alternatives.
+
+One command runs everything (``make bench`` or ``python benchmarks/run_all.py``) and prints
+one table with ratios to keras-tfr, plus ``benchmarks/results/results.json`` and
+``benchmarks/results/results.png``.
+
+Every measurement runs in its own Python process, so peak RSS
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that measurement alone and
+one pipeline's caches or thread pools cannot help or hurt the next one. Files are read
+once before each read measurement (page cache warm). All pipelines use batch 256 and
+shuffle.
+
+Pipelines (read benchmark, one epoch, no model):
+
+* ``keras-tfr``: `TFRecordSequenceSource(..., shuffle=True, seed=0)`.
+* ``tutorial``: one ``tf.train.Example`` per sample holding ``tf.io.serialize_tensor``
+  bytes; ``shuffle(3000)``, ``map(parse_single_example + parse_tensor, 8)``, ``batch``,
+  ``prefetch`` (the pipeline of most TFRecord tutorials).
+* ``per-sample raw``: one Example per sample with raw bytes; ``shuffle(3000)``, ``batch``,
+  then one batched ``parse_example`` + ``decode_raw``.
+* ``from_tensor_slices``: the arrays in RAM, ``shuffle(3000)``, ``batch``, ``prefetch``.
+* ``grain+ArrayRecord``: one ArrayRecord record per sample (raw bytes), grain
+  ``MapDataset`` with a global shuffle, threads for reading.
+* ``tf.data save/load``: ``Dataset.save`` of per-sample elements, ``Dataset.load``,
+  ``shuffle(3000)``, ``batch``, ``prefetch``.
+* ``raw page-cache read``: ``readinto`` of the keras-tfr shard files into one buffer
+  (the physical limit of reading these bytes on this machine).
+
+Usage::
+
+    python benchmarks/run_all.py            # full sizes (a few minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # a quarter of the samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+BATCH = 256
+TUTORIAL_SHUFFLE = 3000
+
+SHAPES = {
+    "small": {"samples": 102_400, "shape": (28, 28, 1)},
+    "large": {"samples": 8_192, "shape": (64, 64, 3)},
+}
+
+READ_PIPELINES = [
+    "keras-tfr",
+    "tutorial",
+    "per-sample-raw",
+    "from_tensor_slices",
+    "grain-arrayrecord",
+    "tf-save-load",
+    "raw-read",
+]
+FIT_PIPELINES = ["keras-tfr", "numpy", "tutorial"]
+WRITE_PIPELINES = ["keras-tfr", "np.save", "tutorial"]
+
+LABELS = {
+    "keras-tfr": "keras-tfr",
+    "tutorial": "tutorial (per-sample serialize_tensor)",
+    "per-sample-raw": "per-sample raw bytes, batched parse",
+    "from_tensor_slices": "from_tensor_slices (in RAM)",
+    "grain-arrayrecord": "grain + ArrayRecord",
+    "tf-save-load": "tf.data save/load",
+    "raw-read": "raw page-cache read (limit)",
+    "numpy": "model.fit(x, y) in-memory NumPy",
+    "np.save": "np.save from memmap (limit)",
+}
+
+
+# ============================================================== worker side (one process each)
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _paths(data: str, shape_name: str, scale: int = 1) -> dict[str, str]:
+    base = os.path.join(data, f"{shape_name}-x{scale}")
+    return {
+        "base": base,
+        "x": os.path.join(base, "x.npy"),
+        "y": os.path.join(base, "y.npy"),
+        "ktfr": os.path.join(base, "ktfr"),
+        "tutorial": os.path.join(base, "tutorial"),
+        "raw": os.path.join(base, "raw"),
+        "arrayrecord": os.path.join(base, "arrayrecord"),
+        "tfsave": os.path.join(base, "tfsave"),
+        "npsave": os.path.join(base, "npsave"),
+    }
+
+
+def _load_xy(p: dict[str, str], in_memory: bool = False):
+    mode = None if in_memory else "r"
+    return np.load(p["x"], mmap_mode=mode), np.load(p["y"], mmap_mode=mode)
+
+
+def _warm(path: str) -> int:
+    """Reads every file under `path` once (page cache warm); returns the bytes read."""
+    total = 0
+    buf = bytearray(8 << 20)
+    for root, _, files in os.walk(path):
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while True:
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    total += n
+    return total
+
+
+def _shard_files(directory: str, suffix: str = "") -> list[str]:
+    return sorted(
+        os.path.join(directory, n)
+        for n in os.listdir(directory)
+        if n.endswith(suffix) and not n.endswith(".json") and not n.startswith(".")
+    )
+
+
+def work_gen(p: dict[str, str], n: int, shape: tuple[int, ...]) -> dict[str, Any]:
+    os.makedirs(p["base"], exist_ok=True)
+    x = np.lib.format.open_memmap(p["x"], mode="w+", dtype=np.float32, shape=(n, *shape))
+    y = np.lib.format.open_memmap(p["y"], mode="w+", dtype=np.int32, shape=(n,))
+    rng = np.random.default_rng(0)
+    step = max(1, (32 << 20) // (4 * int(np.prod(shape))))
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        x[i:j] = rng.random((j - i, *shape), dtype=np.float32)
+        y[i:j] = rng.integers(0, 10, j - i, dtype=np.int32)
+    x.flush()
+    y.flush()
+    return {}
+
+
+def _tutorial_example(xi: np.ndarray, yi: int, tf) -> bytes:
+    feature = {
+        "x": tf.train.Feature(
+            bytes_list=tf.train.BytesList(value=[tf.io.serialize_tensor(xi).numpy()])
+        ),
+        "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(yi)])),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+def work_write(p: dict[str, str], pipeline: str, out: str | None = None) -> dict[str, Any]:
+    x, y = _load_xy(p)
+    _warm(p["x"])
+    n = int(x.shape[0])
+    if pipeline == "keras-tfr":
+        from keras_tfr import ArraysToRecords
+
+        out = out or p["ktfr"]
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        ArraysToRecords.from_arrays(x, y, out, verbose=0)
+        dt = time.perf_counter() - t0
+    elif pipeline == "np.save":
+        out = out or p["npsave"]
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        t0 = time.perf_counter()
+        np.save(os.path.join(out, "x.npy"), x)
+        np.save(os.path.join(out, "y.npy"), y)
+        dt = time.perf_counter() - t0
+    elif pipeline == "tutorial":
+        import tensorflow as tf
+
+        out = out or p["tutorial"]
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        t0 = time.perf_counter()
+        with tf.io.TFRecordWriter(os.path.join(out, "data.tfrecord")) as w:
+            for i in range(n):
+                w.write(_tutorial_example(x[i], y[i], tf))
+        dt = time.perf_counter() - t0
+    else:
+        raise ValueError(pipeline)
+    return {"seconds": dt, "examples": n}
+
+
+def work_gen_formats(p: dict[str, str]) -> dict[str, Any]:
+    """Per-sample raw TFRecords, ArrayRecord and tf.data save (untimed)."""
+    import tensorflow as tf
+
+    x, y = _load_xy(p)
+    n = int(x.shape[0])
+    shutil.rmtree(p["raw"], ignore_errors=True)
+    os.makedirs(p["raw"])
+    with tf.io.TFRecordWriter(os.path.join(p["raw"], "data.tfrecord")) as w:
+        for i in range(n):
+            ex = tf.train.Example(
+                features=tf.train.Features(
+                    feature={
+                        "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[x[i].tobytes()])),
+                        "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(y[i])])),
+                    }
+                )
+            )
+            w.write(ex.SerializeToString())
+    result: dict[str, Any] = {}
+    try:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        shutil.rmtree(p["arrayrecord"], ignore_errors=True)
+        os.makedirs(p["arrayrecord"])
+        w = ArrayRecordWriter(os.path.join(p["arrayrecord"], "data.array_record"), "group_size:1")
+        for i in range(n):
+            w.write(x[i].tobytes() + y[i].tobytes())
+        w.close()
+    except ImportError as e:
+        result["arrayrecord_error"] = str(e)
+    shutil.rmtree(p["tfsave"], ignore_errors=True)
+    chunk = 4096
+
+    def gen():
+        for i in range(0, n, chunk):
+            yield np.asarray(x[i : i + chunk]), np.asarray(y[i : i + chunk])
+
+    spec = (
+        tf.TensorSpec((None, *x.shape[1:]), tf.float32),
+        tf.TensorSpec((None,), tf.int32),
+    )
+    tf.data.Dataset.from_generator(gen, output_signature=spec).unbatch().save(p["tfsave"])
+    return result
+
+
+def _iterate(ds) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    count = 0
+    for batch in ds:
+        count += int(batch[0].shape[0])
+    return count, time.perf_counter() - t0
+
+
+def _tf_read_pipeline(p: dict[str, str], pipeline: str, shape: tuple[int, ...]):
+    import tensorflow as tf
+
+    autotune = tf.data.AUTOTUNE
+    if pipeline == "keras-tfr":
+        from keras_tfr import TFRecordSequenceSource
+
+        _warm(p["ktfr"])
+        return TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, shuffle=True, seed=0)
+    if pipeline == "tutorial":
+        _warm(p["tutorial"])
+        feats = {
+            "x": tf.io.FixedLenFeature([], tf.string),
+            "y": tf.io.FixedLenFeature([], tf.int64),
+        }
+
+        def parse(record):
+            ex = tf.io.parse_single_example(record, feats)
+            xi = tf.io.parse_tensor(ex["x"], tf.float32)
+            xi = tf.ensure_shape(xi, shape)
+            return xi, ex["y"]
+
+        ds = tf.data.TFRecordDataset(_shard_files(p["tutorial"]))
+        ds = ds.shuffle(TUTORIAL_SHUFFLE, seed=0).map(parse, num_parallel_calls=8)
+        return ds.batch(BATCH).prefetch(autotune)
+    if pipeline == "per-sample-raw":
+        _warm(p["raw"])
+        feats = {
+            "x": tf.io.FixedLenFeature([], tf.string),
+            "y": tf.io.FixedLenFeature([], tf.int64),
+        }
+
+        def parse_batch(records):
+            ex = tf.io.parse_example(records, feats)
+            xb = tf.reshape(tf.io.decode_raw(ex["x"], tf.float32), [-1, *shape])
+            return xb, ex["y"]
+
+        ds = tf.data.TFRecordDataset(_shard_files(p["raw"]), buffer_size=1 << 20)
+        ds = ds.shuffle(TUTORIAL_SHUFFLE, seed=0).batch(BATCH)
+        return ds.map(parse_batch, num_parallel_calls=autotune).prefetch(autotune)
+    if pipeline == "from_tensor_slices":
+        x, y = _load_xy(p, in_memory=True)
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        return ds.shuffle(TUTORIAL_SHUFFLE, seed=0).batch(BATCH).prefetch(autotune)
+    if pipeline == "tf-save-load":
+        _warm(p["tfsave"])
+        ds = tf.data.Dataset.load(p["tfsave"])
+        return ds.shuffle(TUTORIAL_SHUFFLE, seed=0).batch(BATCH).prefetch(autotune)
+    raise ValueError(pipeline)
+
+
+def work_read(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    if pipeline == "raw-read":
+        _warm(p["ktfr"])
+        t0 = time.perf_counter()
+        nbytes = _warm(p["ktfr"])
+        dt = time.perf_counter() - t0
+        n = int(np.load(p["y"], mmap_mode="r").shape[0])
+        return {"seconds": dt, "examples": n, "file_bytes": nbytes}
+    if pipeline == "grain-arrayrecord":
+        return _grain_read(p, shape)
+    ds = _tf_read_pipeline(p, pipeline, shape)
+    count, dt = _iterate(ds)
+    return {"seconds": dt, "examples": count}
+
+
+def _grain_read(p: dict[str, str], shape: tuple[int, ...]) -> dict[str, Any]:
+    try:
+        import grain
+    except ImportError as e:
+        return {"error": f"grain not installed: {e}"}
+    files = _shard_files(p["arrayrecord"])
+    if not files:
+        return {"error": "no ArrayRecord files (array-record not installed?)"}
+    _warm(p["arrayrecord"])
+    xbytes = 4 * int(np.prod(shape))
+
+    def batch_fn(records):
+        buf = np.frombuffer(b"".join(records), np.uint8).reshape(len(records), -1)
+        xb = buf[:, :xbytes].copy().view(np.float32).reshape(len(records), *shape)
+        yb = buf[:, xbytes:].copy().view(np.int32).reshape(-1)
+        return xb, yb
+
+    source = grain.sources.ArrayRecordDataSource(files)
+    ds = grain.MapDataset.source(source).shuffle(seed=0).batch(BATCH, batch_fn=batch_fn)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=8, prefetch_buffer_size=500))
+    count, dt = _iterate(it)
+    return {"seconds": dt, "examples": count}
+
+
+class _EpochTimer:
+    def __init__(self):
+        import keras
+
+        class CB(keras.callbacks.Callback):
+            def __init__(cb):
+                super().__init__()
+                cb.times = []
+
+            def on_epoch_begin(cb, epoch, logs=None):
+                cb.t0 = time.perf_counter()
+
+            def on_epoch_end(cb, epoch, logs=None):
+                cb.times.append(time.perf_counter() - cb.t0)
+
+        self.cb = CB()
+
+
+def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input(shape), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    timer = _EpochTimer().cb
+    if pipeline == "numpy":
+        x, y = _load_xy(p, in_memory=True)
+        n = int(x.shape[0])
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0, callbacks=[timer])
+    else:
+        ds = _tf_read_pipeline(p, pipeline, shape)
+        n = int(np.load(p["y"], mmap_mode="r").shape[0])
+        model.fit(ds, epochs=2, verbose=0, callbacks=[timer])
+    # Epoch 2: compiled, caches warm; epoch 1 also holds tracing and compilation.
+    return {"seconds": timer.times[-1], "examples": n, "first_epoch_seconds": timer.times[0]}
+
+
+def worker_main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    kind = spec["kind"]
+    p = _paths(spec["data"], spec["shape_name"], spec.get("scale", 1))
+    shape = tuple(spec.get("shape", ()))
+    if kind == "gen":
+        result = work_gen(p, spec["samples"], shape)
+    elif kind == "gen_formats":
+        result = work_gen_formats(p)
+    elif kind == "write":
+        result = work_write(p, spec["pipeline"], spec.get("out"))
+    elif kind == "read":
+        result = work_read(p, spec["pipeline"], shape)
+    elif kind == "fit":
+        result = work_fit(p, spec["pipeline"], shape)
+    else:
+        raise ValueError(kind)
+    result["peak_rss_mb"] = _maxrss_mb()
+    print("@@RESULT " + json.dumps(result), flush=True)
+
+
+# ============================================================== driver side
+
+
+def run_worker(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@RESULT "):
+            result = json.loads(line[len("@@RESULT ") :])
+            result["wall_seconds"] = wall
+            return result
+    tail = (proc.stderr or proc.stdout)[-1500:]
+    return {"error": f"worker failed (rc={proc.returncode}): {tail}"}
+
+
+def _load_avg() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("tensorflow", "keras", "numpy", "grain", "array-record", "keras-tfr"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": mem_gb,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a quarter of the samples")
+    parser.add_argument("--data-dir", default=None, help="scratch directory (default: a tmp dir)")
+    parser.add_argument("--out", default=RESULTS, help="where results.json / .png / .md go")
+    parser.add_argument("--only", default="read,fit,write,rss", help="comma-separated groups")
+    parser.add_argument("--shapes", default="small,large")
+    parser.add_argument("--keep-data", action="store_true")
+    args = parser.parse_args(argv)
+    groups = set(args.only.split(","))
+    shape_names = args.shapes.split(",")
+    frac = 4 if args.quick else 1
+    data = args.data_dir or tempfile.mkdtemp(prefix="keras-tfr-bench-")
+    os.makedirs(data, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "quick": args.quick,
+        "batch_size": BATCH,
+        "load_avg_start": _load_avg(),
+        "shapes": {},
+        "rows": [],
+    }
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s load {_load_avg()}] {msg}", flush=True)
+
+    def add(group: str, shape_name: str, pipeline: str, res: dict[str, Any], scale: int = 1):
+        cfg = results["shapes"][shape_name]
+        row = {"group": group, "shape": shape_name, "pipeline": pipeline, "scale": scale, **res}
+        if "seconds" in res and res["seconds"] > 0:
+            row["examples_per_s"] = res["examples"] / res["seconds"]
+            row["mb_per_s"] = row["examples_per_s"] * cfg["sample_bytes"] / 1e6
+        results["rows"].append(row)
+        rate = f"{row.get('examples_per_s', 0):,.0f} ex/s" if "examples_per_s" in row else ""
+        log(f"{group:5s} {shape_name:5s} x{scale} {pipeline:20s} {rate} {res.get('error', '')}")
+
+    try:
+        for shape_name in shape_names:
+            cfg = SHAPES[shape_name]
+            n = cfg["samples"] // frac
+            shape = cfg["shape"]
+            sample_bytes = 4 * int(np.prod(shape)) + 4
+            results["shapes"][shape_name] = {
+                "samples": n,
+                "shape": list(shape),
+                "dtype": "float32 (x), int32 (y)",
+                "sample_bytes": sample_bytes,
+                "data_mb": n * sample_bytes / 1e6,
+            }
+            base = {"data": data, "shape_name": shape_name, "shape": list(shape)}
+            log(f"generating {shape_name}: {n} x {shape} float32")
+            run_worker({**base, "kind": "gen", "samples": n})
+            for pipeline in WRITE_PIPELINES:  # also writes the keras-tfr / tutorial data
+                add("write", shape_name, pipeline, run_worker({**base, "kind": "write",
+                                                               "pipeline": pipeline}))
+            if groups & {"read", "fit"}:
+                res = run_worker({**base, "kind": "gen_formats"})
+                if res.get("error") or res.get("arrayrecord_error"):
+                    log(f"gen_formats: {res}")
+            if "read" in groups:
+                for pipeline in READ_PIPELINES:
+                    add("read", shape_name, pipeline, run_worker({**base, "kind": "read",
+                                                                  "pipeline": pipeline}))
+            if "fit" in groups:
+                for pipeline in FIT_PIPELINES:
+                    add("fit", shape_name, pipeline, run_worker({**base, "kind": "fit",
+                                                                 "pipeline": pipeline}))
+            if not args.keep_data:
+                p = _paths(data, shape_name)
+                for key in ("tutorial", "raw", "arrayrecord", "tfsave", "npsave"):
+                    shutil.rmtree(p[key], ignore_errors=True)
+        if "rss" in groups:
+            shape_name = "small"
+            cfg = SHAPES[shape_name]
+            shape = cfg["shape"]
+            if shape_name not in results["shapes"]:
+                n = cfg["samples"] // frac
+                results["shapes"][shape_name] = {
+                    "samples": n,
+                    "shape": list(shape),
+                    "sample_bytes": 4 * int(np.prod(shape)) + 4,
+                }
+            for scale in (1, 4):
+                n = scale * (cfg["samples"] // frac)
+                base = {"data": data, "shape_name": shape_name, "shape": list(shape),
+                        "scale": scale}
+                if scale != 1 or not os.path.exists(_paths(data, shape_name)["x"]):
+                    log(f"generating {shape_name} x{scale}: {n} samples")
+                    run_worker({**base, "kind": "gen", "samples": n})
+                add("rss", shape_name, "write keras-tfr",
+                    run_worker({**base, "kind": "write", "pipeline": "keras-tfr"}), scale)
+                add("rss", shape_name, "read keras-tfr",
+                    run_worker({**base, "kind": "read", "pipeline": "keras-tfr"}), scale)
+                if scale != 1 and not args.keep_data:
+                    shutil.rmtree(_paths(data, shape_name, scale)["base"], ignore_errors=True)
+    finally:
+        if not args.keep_data and not args.data_dir:
+            shutil.rmtree(data, ignore_errors=True)
+    results["load_avg_end"] = _load_avg()
+    results["total_seconds"] = time.perf_counter() - started
+
+    from report import render  # benchmarks/report.py
+
+    text = render(results, args.out)
+    print(text)
+    log(f"done; results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--_worker":
+        worker_main(sys.argv[2:])
+    else:
+        sys.path.insert(0, HERE)
+        sys.exit(main())

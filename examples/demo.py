@@ -1,0 +1,191 @@
+"""End-to-end demo: train on a data set larger than the memory it is trained in.
+
+1. Generates a learnable classification data set on disk as ``.npy`` memmaps, chunk by
+   chunk (default 2 GB: 2,000,000 samples of 256 float32 features, 10 classes given by
+   a hidden linear teacher).
+2. Converts it to sharded TFRecords with `ArraysToRecords.from_arrays` (progress bar).
+3. Trains a small model on the stream with `TFRecordSequenceSource` and a validation
+   split, then evaluates it.
+
+Conversion and training each run in their own process, so each one's peak RSS
+(`resource.getrusage`) is its own; the demo prints both next to the data size.
+
+Run: ``make demo`` (or ``python examples/demo.py --size-gb 0.5`` for a quicker run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+FEATURES = 256
+CLASSES = 10
+GEN_CHUNK = 65_536
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def generate(workdir: str, n: int, seed: int = 0) -> None:
+    """Writes x.npy (n, 256) float32 and y.npy (n,) int64 chunk by chunk."""
+    rng = np.random.default_rng(seed)
+    teacher = rng.standard_normal((FEATURES, CLASSES)).astype(np.float32)
+    x = np.lib.format.open_memmap(
+        os.path.join(workdir, "x.npy"), mode="w+", dtype=np.float32, shape=(n, FEATURES)
+    )
+    y = np.lib.format.open_memmap(os.path.join(workdir, "y.npy"), mode="w+", dtype=np.int64, shape=(n,))
+    for i in range(0, n, GEN_CHUNK):
+        j = min(n, i + GEN_CHUNK)
+        xb = rng.standard_normal((j - i, FEATURES), dtype=np.float32)
+        x[i:j] = xb
+        y[i:j] = np.argmax(xb @ teacher, axis=1)
+        x.flush()
+        y.flush()
+    del x, y
+
+
+def phase_convert(workdir: str) -> dict:
+    from keras_tfr import ArraysToRecords
+
+    x = np.load(os.path.join(workdir, "x.npy"), mmap_mode="r")
+    y = np.load(os.path.join(workdir, "y.npy"), mmap_mode="r")
+    t = time.perf_counter()
+    manifest = ArraysToRecords.from_arrays(x, y, os.path.join(workdir, "train"), overwrite=True)
+    seconds = time.perf_counter() - t
+    return {
+        "seconds": seconds,
+        "bytes": manifest.total_bytes,
+        "shards": len(manifest.shards),
+        "samples": manifest.total_samples,
+        "peak_rss": peak_rss_bytes(),
+    }
+
+
+def phase_train(workdir: str, epochs: int, batch_size: int) -> dict:
+    import keras
+
+    from keras_tfr import TFRecordSequenceSource
+
+    data = os.path.join(workdir, "train")
+    common = dict(batch_size=batch_size, seed=0, validation_split=0.05)
+    train = TFRecordSequenceSource(data, shuffle=True, subset="training", **common)
+    val = TFRecordSequenceSource(data, shuffle=False, subset="validation", **common)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    t = time.perf_counter()
+    history = model.fit(train, validation_data=val, epochs=epochs, verbose=2)
+    seconds = time.perf_counter() - t
+    loss, acc = model.evaluate(val, verbose=0)
+    return {
+        "seconds": seconds,
+        "train_samples": train.num_samples,
+        "val_samples": val.num_samples,
+        "epochs": epochs,
+        "steps_per_epoch": len(train),
+        "val_loss": float(loss),
+        "val_accuracy": float(acc),
+        "first_epoch_accuracy": float(history.history["accuracy"][0]),
+        "peak_rss": peak_rss_bytes(),
+    }
+
+
+def _run_phase(args: argparse.Namespace, phase: str) -> dict:
+    result = os.path.join(args.workdir, f"{phase}.json")
+    cmd = [sys.executable, __file__, "--phase", phase, "--workdir", args.workdir]
+    cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    subprocess.run([*cmd, "--result", result], check=True)  # output (progress bars) shows live
+    with open(result) as f:
+        return json.load(f)
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=2.0, help="data set size (default 2)")
+    parser.add_argument("--workdir", default="demo_data", help="where data goes (demo_data)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--phase", choices=["convert", "train"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--keep", action="store_true", help="keep demo_data afterwards")
+    args = parser.parse_args()
+
+    if args.phase:
+        if args.phase == "convert":
+            result = phase_convert(args.workdir)
+        else:
+            result = phase_train(args.workdir, args.epochs, args.batch_size)
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+        return 0
+
+    n = int(args.size_gb * 1e9 // (FEATURES * 4 + 8))
+    os.makedirs(args.workdir, exist_ok=True)
+    free = shutil.disk_usage(args.workdir).free
+    if free < 2.2 * n * (FEATURES * 4 + 8):
+        print(f"demo: needs about {gb(2.2 * n * (FEATURES * 4 + 8))} free in {args.workdir}")
+        return 2
+    print(f"[1/3] generating {n:,} samples ({gb(n * (FEATURES * 4 + 8))}) as memmaps ...")
+    t = time.perf_counter()
+    generate(args.workdir, n)
+    print(f"      done in {time.perf_counter() - t:.1f} s")
+    print("[2/3] converting to sharded TFRecords with ArraysToRecords.from_arrays ...", flush=True)
+    conv = _run_phase(args, "convert")
+    print(f"[3/3] training on the stream for {args.epochs} epochs ...", flush=True)
+    train = _run_phase(args, "train")
+
+    data_bytes = n * (FEATURES * 4 + 8)
+    seen = train["train_samples"] * train["epochs"]
+    print()
+    print("=" * 64)
+    print(f"data set (NumPy arrays)     : {gb(data_bytes)}, {n:,} samples")
+    print(f"data set (TFRecord shards)  : {gb(conv['bytes'])} in {conv['shards']} shards")
+    print(
+        f"conversion                  : {conv['seconds']:.1f} s, "
+        f"{data_bytes / conv['seconds'] / 1e6:.0f} MB/s, peak RSS {gb(conv['peak_rss'])}"
+    )
+    print(
+        f"training                    : {train['seconds']:.1f} s, "
+        f"{seen / train['seconds']:,.0f} samples/s ({train['steps_per_epoch']} steps/epoch), "
+        f"peak RSS {gb(train['peak_rss'])}"
+    )
+    print(
+        f"final validation            : accuracy {train['val_accuracy']:.4f}, "
+        f"loss {train['val_loss']:.4f} (first epoch accuracy "
+        f"{train['first_epoch_accuracy']:.4f})"
+    )
+    ratio = data_bytes / max(conv["peak_rss"], train["peak_rss"])
+    print(f"data size / peak RSS        : {ratio:.1f}x")
+    print("=" * 64)
+    if not args.keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,651 @@
+"""Cap a process's GPU memory, so several models can train on one GPU.
+
+With streamed data a model needs far less GPU memory than the whole device, so one GPU
+can train several models at once, each in its own process with a cap. Each framework
+allows that only in its own way, and TensorFlow and JAX only before they start:
+
+- TensorFlow: one logical device with ``memory_limit`` per physical GPU
+  (``tf.config.set_logical_device_configuration``). It works only before TensorFlow
+  initializes the GPU, cannot be undone, and memory TensorFlow took is never returned
+  to the driver before the process ends.
+- JAX: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (and ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+  for growth), read once, when JAX starts its GPU backend (the first JAX operation).
+- torch: ``torch.cuda.set_per_process_memory_fraction``, which can change at any time
+  and is restored when the ``with`` block ends.
+
+The environment variables ``KERAS_TFR_GPU_MEMORY_MB`` and ``KERAS_TFR_GPU_MEMORY_FRACTION``
+cap a process without code changes: ``import keras_tfr`` applies them (this is what
+``keras-tfr parallel --gpu-memory-mb`` sets for each child).
+
+The CUDA context and the cuDNN/cuBLAS handles take memory on top of every limit here
+(roughly 0.3-1 GB per process, depending on the GPU and the libraries), so leave that
+much per process when you split a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from keras_tfr.errors import KerasTFRError
+
+__all__ = [
+    "ENV_FRACTION",
+    "ENV_MEGABYTES",
+    "GpuMemoryError",
+    "GpuMemoryLimit",
+    "limit_gpu_memory",
+]
+
+ENV_MEGABYTES = "KERAS_TFR_GPU_MEMORY_MB"
+ENV_FRACTION = "KERAS_TFR_GPU_MEMORY_FRACTION"
+
+_MIB = 1 << 20
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+logger = logging.getLogger("keras_tfr.gpu")
+
+_FIX = (
+    "Call `limit_gpu_memory(...)` at the top of the program, before any model, tensor or "
+    "data set (a TFRecordSequenceSource included) is created, or set the environment "
+    f"variable {ENV_MEGABYTES} (or {ENV_FRACTION}) before the program starts; "
+    "`import keras_tfr` applies it."
+)
+
+
+class GpuMemoryError(KerasTFRError, RuntimeError):
+    """The framework already started on the GPU with another memory setting."""
+
+
+class GpuMemoryLimit:
+    """The memory cap of this process on its GPUs; made by `limit_gpu_memory`.
+
+    Attributes:
+        backend: the Keras backend the cap was applied to (``"tensorflow"``, ``"jax"``,
+            ``"torch"``).
+        megabytes: the cap per GPU in MiB, or ``None`` with ``growth=True``.
+        fraction: the cap as a fraction of each GPU's total, when given as such.
+        growth: whether memory is taken on demand instead of reserved up front.
+        devices: names of the capped GPUs (``["GPU:0"]``); empty when there is no GPU.
+        total_mb: each capped GPU's total memory in MiB where the driver reported it.
+    """
+
+    def __init__(
+        self,
+        megabytes: int | None,
+        fraction: float | None,
+        growth: bool,
+        devices: Sequence[int] | None,
+    ):
+        self.megabytes = megabytes
+        self.fraction = fraction
+        self.growth = growth
+        self._indices = None if devices is None else list(devices)
+        self.backend = _keras_backend()
+        self.devices: list[str] = []
+        self.total_mb: list[int | None] = []
+        self._impl = {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}.get(self.backend)
+        if self._impl is None:
+            raise ValueError(
+                "limit_gpu_memory supports the Keras backends 'tensorflow', 'jax' and "
+                f"'torch'. Received backend: {self.backend!r}"
+            )
+        self._state: Any = None
+        self._recorded_peak: float | None = None
+        self._apply()
+
+    # -- applying and reporting ---------------------------------------------------------
+
+    def _apply(self) -> None:
+        self._state = self._impl.apply(self)
+        self._recorded_peak = None
+        if not self.devices:
+            logger.info(
+                "limit_gpu_memory: no GPU visible to %s; running without a GPU memory limit.",
+                _BACKEND_NAMES[self.backend],
+            )
+
+    def _peaks(self) -> list[float]:
+        if not self.devices:
+            return []
+        return self._impl.peaks_mb(self)
+
+    @property
+    def peak_mb(self) -> float | None:
+        """The highest GPU memory use in MiB of any capped GPU (``None`` without a GPU).
+
+        Inside the ``with`` block (or after a plain call) this is the peak so far; after
+        the block it is the peak the block reached (the statistics are reset on exit).
+        """
+        if self._recorded_peak is not None or not self.devices:
+            return self._recorded_peak
+        peaks = self._peaks()
+        return max(peaks) if peaks else None
+
+    def report(self) -> str:
+        """A one-line summary: backend, devices, limit, peak and device total."""
+        if not self.devices:
+            return f"limit_gpu_memory: no GPU ({self.backend}); no limit"
+        limit = "growth" if self.megabytes is None else f"{self.megabytes} MiB"
+        peak = self.peak_mb
+        total = ", ".join("?" if t is None else str(t) for t in self.total_mb)
+        return (
+            f"limit_gpu_memory: {self.backend} on {', '.join(self.devices)}: limit {limit}, "
+            f"peak {'?' if peak is None else f'{peak:.0f} MiB'}, device total {total} MiB"
+        )
+
+    # -- context manager and decorator ---------------------------------------------------
+
+    def __enter__(self) -> GpuMemoryLimit:
+        if self._state is None:  # re-entered after __exit__ (torch restored its fraction)
+            self._apply()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self.devices:
+            self._state = None
+            return
+        peaks = self._peaks()
+        self._recorded_peak = max(peaks) if peaks else None
+        logger.info("%s", self.report())
+        self._impl.reset_and_restore(self)
+        self._state = None
+
+    def __call__(self, fn: _F) -> _F:
+        """Decorator: the cap applies from decoration; each call reports its peak."""
+        if not callable(fn):
+            raise TypeError(
+                f"Expected `limit_gpu_memory(...)` to decorate a function. Received: {fn!r}"
+            )
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        what = (
+            "growth=True"
+            if self.megabytes is None
+            else f"megabytes={self.megabytes}"
+            + ("" if self.fraction is None else f" (fraction={self.fraction})")
+        )
+        return f"GpuMemoryLimit({what}, backend={self.backend!r}, devices={self.devices})"
+
+
+def limit_gpu_memory(
+    megabytes: int | None = None,
+    *,
+    fraction: float | None = None,
+    growth: bool = False,
+    devices: Sequence[int] | None = None,
+) -> GpuMemoryLimit:
+    """Caps this process's GPU memory, so several processes can share one GPU.
+
+    Give exactly one of `megabytes`, `fraction` or `growth=True`; with none of them the
+    environment variable ``KERAS_TFR_GPU_MEMORY_MB`` (or ``KERAS_TFR_GPU_MEMORY_FRACTION``)
+    decides. The cap applies at once, so a plain call at the top of the program works;
+    the result is also a context manager (reports the peak on exit) and a decorator.
+
+    Backends (read with ``keras.config.backend()``):
+
+    - TensorFlow: each chosen GPU becomes one logical device with ``memory_limit``. This
+      must happen before TensorFlow initializes the GPU (before any model, tensor or
+      data set); if it already did with another setting, `GpuMemoryError` says so.
+      **It cannot be undone**: leaving the ``with`` block does not lift the cap, and
+      TensorFlow never returns memory it took to the driver before the process ends.
+      On exit the peak (``tf.config.experimental.get_memory_info``) is logged and the
+      statistics are reset.
+    - JAX: sets ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (``megabytes`` becomes a fraction of
+      the largest chosen GPU) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` for growth,
+      before JAX's first operation; `GpuMemoryError` if JAX already started. The cap
+      applies to every GPU JAX sees (select GPUs with ``CUDA_VISIBLE_DEVICES``).
+    - torch: ``torch.cuda.set_per_process_memory_fraction`` on each chosen GPU, restored
+      to its previous value when the ``with`` block ends. torch always takes memory on
+      demand, so ``growth=True`` changes nothing.
+
+    With no GPU it does nothing and logs one line, so the same script runs on a laptop;
+    then `GpuMemoryLimit.devices` is empty and `GpuMemoryLimit.peak_mb` is ``None``.
+
+    The CUDA context and the cuDNN/cuBLAS handles take memory beyond the cap (roughly
+    0.3-1 GB per process): a GPU of T MiB fits about ``T / (cap + 1024)`` processes.
+
+    Args:
+        megabytes: the cap per GPU in MiB (2**20 bytes, as TensorFlow's
+            ``memory_limit``), a positive int.
+        fraction: the cap as a fraction of each GPU's total memory, in (0, 1].
+        growth: take memory on demand with no cap (TensorFlow's memory growth).
+            With TensorFlow it applies to every visible GPU.
+        devices: indices of the GPUs to cap (``[0, 2]``); all visible GPUs by default.
+
+    Returns:
+        A `GpuMemoryLimit`, with ``devices``, ``peak_mb`` and ``report()``.
+
+    Raises:
+        ValueError: the arguments or the environment variable are invalid.
+        GpuMemoryError: the framework already started on the GPU with another setting.
+
+    Example:
+
+    ```python
+    from keras_tfr import limit_gpu_memory
+
+    with limit_gpu_memory(1024) as gpu:  # at the top of the program
+        model = make_model()
+        model.fit(source, epochs=5)
+    print(gpu.peak_mb, gpu.devices)
+    ```
+    """
+    megabytes, fraction, growth = _check_arguments(megabytes, fraction, growth, devices)
+    return GpuMemoryLimit(megabytes, fraction, growth, devices)
+
+
+def _check_arguments(
+    megabytes: Any, fraction: Any, growth: Any, devices: Any
+) -> tuple[int | None, float | None, bool]:
+    if callable(megabytes):
+        raise TypeError(
+            "`limit_gpu_memory` needs its arguments when used as a decorator: write "
+            f"`@limit_gpu_memory(1024)`, not `@limit_gpu_memory`. Received: {megabytes!r}"
+        )
+    if not isinstance(growth, bool):
+        raise TypeError(f"Expected `growth` to be True or False. Received: {growth!r}")
+    given = [
+        name
+        for name, value in (("megabytes", megabytes), ("fraction", fraction), ("growth", growth))
+        if value is not None and value is not False
+    ]
+    if len(given) > 1:
+        raise ValueError(
+            "Expected only one of `megabytes`, `fraction` or `growth=True`. "
+            f"Received: {', '.join(given)}"
+        )
+    if devices is not None:
+        if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+            raise TypeError(
+                f"Expected `devices` to be a list of GPU indices like [0, 1]. Received: {devices!r}"
+            )
+        for d in devices:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise ValueError(
+                    "Expected `devices` to hold GPU indices (ints >= 0). "
+                    f"Received: {list(devices)!r}"
+                )
+        if len(set(devices)) != len(devices) or not devices:
+            raise ValueError(
+                "Expected `devices` to be a non-empty list of distinct GPU indices. "
+                f"Received: {list(devices)!r}"
+            )
+    if not given:
+        env = _from_environment()
+        if env is None:
+            raise ValueError(
+                "Expected one of `megabytes`, `fraction` or `growth=True` (or the "
+                f"environment variable {ENV_MEGABYTES} or {ENV_FRACTION}). Received none."
+            )
+        megabytes, fraction = env
+    if megabytes is not None:
+        megabytes = _check_megabytes(megabytes, argument="megabytes")
+    if fraction is not None:
+        fraction = _check_fraction(fraction, argument="fraction")
+    return megabytes, fraction, growth
+
+
+def _check_megabytes(value: Any, *, argument: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"Expected `{argument}` to be a positive int of MiB (e.g. 1024). Received: {value!r}"
+        )
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise ValueError(
+            f"Expected `{argument}` to be a positive whole number of MiB (e.g. 1024). "
+            f"Received: {value!r}"
+        )
+    return int(value)
+
+
+def _check_fraction(value: Any, *, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Expected `{argument}` to be a float in (0, 1]. Received: {value!r}")
+    if not (0.0 < float(value) <= 1.0):
+        raise ValueError(f"Expected `{argument}` to be in (0, 1]. Received: {value!r}")
+    return float(value)
+
+
+def _from_environment() -> tuple[int | None, float | None] | None:
+    """Reads ``KERAS_TFR_GPU_MEMORY_MB`` / ``_FRACTION``; ``None`` when neither is set."""
+    mb = os.environ.get(ENV_MEGABYTES, "").strip()
+    fr = os.environ.get(ENV_FRACTION, "").strip()
+    if mb and fr:
+        raise ValueError(
+            f"Expected only one of the environment variables {ENV_MEGABYTES} and "
+            f"{ENV_FRACTION}. Received: {ENV_MEGABYTES}={mb!r}, {ENV_FRACTION}={fr!r}"
+        )
+    if mb:
+        try:
+            value = int(mb)
+        except ValueError:
+            raise ValueError(
+                f"Expected the environment variable {ENV_MEGABYTES} to be a whole number "
+                f"of MiB (e.g. 1024). Received: {mb!r}"
+            ) from None
+        return _check_megabytes(value, argument=ENV_MEGABYTES), None
+    if fr:
+        try:
+            value_f = float(fr)
+        except ValueError:
+            raise ValueError(
+                f"Expected the environment variable {ENV_FRACTION} to be a number in (0, 1]. "
+                f"Received: {fr!r}"
+            ) from None
+        return None, _check_fraction(value_f, argument=ENV_FRACTION)
+    return None
+
+
+def _limit_from_environment() -> GpuMemoryLimit | None:
+    """Applies the environment's cap; called by ``import keras_tfr`` when one is set."""
+    if _from_environment() is None:
+        return None
+    return limit_gpu_memory()
+
+
+# -- backends ----------------------------------------------------------------------------
+
+_BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "torch"}
+
+
+def _keras_backend() -> str:
+    """``keras.config.backend()``; imports Keras only now (``KERAS_BACKEND`` without it)."""
+    try:
+        import keras
+    except ImportError:  # a machine with JAX or torch but no Keras: the usual variable
+        return os.environ.get("KERAS_BACKEND", "tensorflow")
+    return keras.config.backend()
+
+
+def _cuda_device_totals_mb() -> list[int] | None:
+    """Each CUDA device's total memory in MiB, from the driver, without a CUDA context.
+
+    Uses ``cuInit`` and ``cuDeviceTotalMem`` of libcuda (respects ``CUDA_VISIBLE_DEVICES``,
+    creates no context, takes no device memory). ``None`` where there is no driver.
+    """
+    names = ["nvcuda.dll"] if sys.platform == "win32" else ["libcuda.so.1", "libcuda.so"]
+    lib = None
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None or lib.cuInit(0) != 0:
+        return None
+    count = ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
+    totals = []
+    for ordinal in range(count.value):
+        dev = ctypes.c_int(0)
+        size = ctypes.c_size_t(0)
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+            return None
+        if lib.cuDeviceTotalMem_v2(ctypes.byref(size), dev) != 0:
+            return None
+        totals.append(size.value // _MIB)
+    return totals
+
+
+def _choose(indices: list[int] | None, available: int, what: str) -> list[int]:
+    if indices is None:
+        return list(range(available))
+    bad = [i for i in indices if i >= available]
+    if bad:
+        raise ValueError(
+            f"Expected `devices` to index the {available} GPU(s) visible to {what}. "
+            f"Received: {indices!r}"
+        )
+    return indices
+
+
+def _limit_for_total(limit: GpuMemoryLimit, total_mb: int | None, name: str) -> int:
+    """MiB for one GPU: `megabytes`, or `fraction` of the GPU's total."""
+    if limit.megabytes is not None:
+        if total_mb is not None and limit.megabytes > total_mb:
+            raise ValueError(
+                f"Expected `megabytes` to be at most {name}'s total memory of {total_mb} MiB. "
+                f"Received: {limit.megabytes}"
+            )
+        return limit.megabytes
+    if total_mb is None:
+        raise GpuMemoryError(
+            f"`fraction` needs {name}'s total memory, which the CUDA driver (libcuda) did not "
+            "report. Pass `megabytes` instead."
+        )
+    return max(1, int(limit.fraction * total_mb))
+
+
+class _TensorFlow:
+    @staticmethod
+    def apply(limit: GpuMemoryLimit) -> Any:
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")  # does not initialize the runtime
+        if not gpus:
+            return "no-gpu"
+        chosen = _choose(limit._indices, len(gpus), "TensorFlow")
+        visible = tf.config.get_visible_devices("GPU")
+        totals = _cuda_device_totals_mb()  # for `fraction` and the report
+        names, per_device_total = [], []
+        if limit.growth:
+            # TensorFlow requires the same growth setting on every visible GPU.
+            for gpu in visible:
+                _tf_set(tf, gpu, growth=True)
+        for i in chosen:
+            gpu = gpus[i]
+            total = totals[i] if totals is not None and i < len(totals) else None
+            if not limit.growth:
+                mb = _limit_for_total(limit, total, f"GPU:{i}")
+                if limit.fraction is not None:
+                    limit.megabytes = mb
+                _tf_set(tf, gpu, logical=[tf.config.LogicalDeviceConfiguration(memory_limit=mb)])
+            if gpu in visible:  # the logical name: one logical device per visible GPU
+                names.append(f"GPU:{visible.index(gpu)}")
+                per_device_total.append(total)
+        limit.devices = names
+        limit.total_mb = per_device_total
+        return "applied"
+
+    @staticmethod
+    def peaks_mb(limit: GpuMemoryLimit) -> list[float]:
+        import tensorflow as tf
+
+        return [tf.config.experimental.get_memory_info(d)["peak"] / _MIB for d in limit.devices]
+
+    @staticmethod
+    def reset_and_restore(limit: GpuMemoryLimit) -> None:
+        import tensorflow as tf
+
+        for d in limit.devices:
+            tf.config.experimental.reset_memory_stats(d)
+
+
+def _tf_set(tf: Any, device: Any, *, logical: list | None = None, growth: bool = False) -> None:
+    """One TensorFlow device setting, with TensorFlow's refusals translated.
+
+    TensorFlow refuses a change once its runtime started ("Virtual devices cannot be
+    modified after being initialized") and accepts a repeat of the current setting.
+    """
+    try:
+        if logical is not None:
+            tf.config.set_logical_device_configuration(device, logical)
+        else:
+            tf.config.experimental.set_memory_growth(device, growth)
+    except RuntimeError as e:
+        current = tf.config.get_logical_device_configuration(device)
+        if current:
+            limits = [c.memory_limit for c in current]
+            had = f"{len(current)} logical device(s) with memory_limit={limits}"
+        elif device.device_type == "GPU" and tf.config.experimental.get_memory_growth(device):
+            had = "memory growth"
+        else:
+            had = "no memory limit (all of its memory)"
+        raise GpuMemoryError(
+            f"limit_gpu_memory must run before TensorFlow initializes the GPU, but "
+            f"TensorFlow already initialized {device.name} with {had}, and it cannot change "
+            f"or undo a device's memory setting after that ({e}). {_FIX}"
+        ) from e
+    except ValueError as e:
+        if "virtual devices configured" not in str(e):
+            raise
+        current = tf.config.get_logical_device_configuration(device) or []
+        raise GpuMemoryError(
+            f"`growth=True` cannot apply to {device.name}: it already has a memory limit "
+            f"({[c.memory_limit for c in current]} MiB), from an earlier limit_gpu_memory "
+            f"call or the environment variable {ENV_MEGABYTES}/{ENV_FRACTION}. Use one "
+            "setting per process."
+        ) from e
+
+
+_JAX_VARIABLES = (
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+)
+
+
+def _jax_environment(
+    megabytes: int | None, fraction: float | None, growth: bool, totals_mb: list[int] | None
+) -> dict[str, str]:
+    """The XLA variables that give JAX this cap (pure: the caller sets them).
+
+    XLA turns ``XLA_PYTHON_CLIENT_MEM_FRACTION`` into its allocator's byte limit on every
+    GPU (preallocated unless ``XLA_PYTHON_CLIENT_PREALLOCATE=false``); `megabytes` becomes
+    the fraction of the largest GPU, so no GPU gets more than `megabytes`.
+    """
+    if growth:
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if fraction is None:
+        if not totals_mb:
+            raise GpuMemoryError(
+                "With the JAX backend `megabytes` becomes XLA_PYTHON_CLIENT_MEM_FRACTION, "
+                "which needs the GPUs' total memory, and the CUDA driver (libcuda) did not "
+                "report it. Pass `fraction` instead."
+            )
+        largest = max(totals_mb)
+        if megabytes > largest:
+            raise ValueError(
+                f"Expected `megabytes` to be at most the GPU's total memory of {largest} MiB. "
+                f"Received: {megabytes}"
+            )
+        fraction = megabytes / largest
+    # Round down so that the cap never exceeds what was asked.
+    text = f"{math.floor(fraction * 1e6) / 1e6:.6f}".rstrip("0").rstrip(".")
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": text}
+
+
+def _jax_started() -> bool:
+    """Whether JAX already created its backends (then XLA's variables are read)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return False
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    if started is not None:
+        return bool(started())
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+class _Jax:
+    @staticmethod
+    def apply(limit: GpuMemoryLimit) -> Any:
+        if limit._indices is not None:
+            raise ValueError(
+                "With the JAX backend the cap applies to every GPU JAX sees; select GPUs "
+                "with CUDA_VISIBLE_DEVICES before the program starts. "
+                f"Received: devices={limit._indices}"
+            )
+        platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+        totals = _cuda_device_totals_mb()
+        if not totals or (platforms and not any(p in platforms for p in ("cuda", "gpu"))):
+            return "no-gpu"
+        wanted = _jax_environment(limit.megabytes, limit.fraction, limit.growth, totals)
+        if _jax_started():
+            if all(os.environ.get(k) == v for k, v in wanted.items()):
+                pass  # the same cap was set before JAX started (e.g. at `import keras_tfr`)
+            else:
+                had = {k: os.environ[k] for k in _JAX_VARIABLES if k in os.environ}
+                raise GpuMemoryError(
+                    "limit_gpu_memory must run before JAX's first operation, but JAX already "
+                    f"started its GPU backend (with {had or 'its default of 75% of the GPU'}); "
+                    "XLA reads XLA_PYTHON_CLIENT_MEM_FRACTION only when it starts. " + _FIX
+                )
+        os.environ.update(wanted)
+        if limit.fraction is not None:
+            limit.megabytes = int(limit.fraction * max(totals))
+        limit.devices = [f"GPU:{i}" for i in range(len(totals))]
+        limit.total_mb = list(totals)
+        return "applied"
+
+    @staticmethod
+    def _gpus() -> list[Any]:
+        import jax
+
+        return [d for d in jax.local_devices() if d.platform == "gpu"]
+
+    @staticmethod
+    def peaks_mb(limit: GpuMemoryLimit) -> list[float]:
+        return [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / _MIB for d in _Jax._gpus()]
+
+    @staticmethod
+    def reset_and_restore(limit: GpuMemoryLimit) -> None:
+        """JAX has no public call to reset its peak statistic, nor to change its cap."""
+
+
+class _Torch:
+    @staticmethod
+    def apply(limit: GpuMemoryLimit) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no-gpu"
+        chosen = _choose(limit._indices, torch.cuda.device_count(), "torch")
+        previous = {}
+        totals = []
+        for i in chosen:
+            total = torch.cuda.get_device_properties(i).total_memory // _MIB
+            totals.append(total)
+            if limit.growth:
+                continue  # torch's caching allocator always takes memory on demand
+            mb = _limit_for_total(limit, total, f"GPU:{i}")
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            previous[i] = getter(i) if getter is not None else 1.0
+            torch.cuda.set_per_process_memory_fraction(min(1.0, mb / total), i)
+            if limit.fraction is not None:
+                limit.megabytes = mb
+        limit.devices = [f"GPU:{i}" for i in chosen]
+        limit.total_mb = totals
+        return previous
+
+    @staticmethod
+    def peaks_mb(limit: GpuMemoryLimit) -> list[float]:
+        import torch
+
+        return [torch.cuda.max_memory_reserved(int(d[4:])) / _MIB for d in limit.devices]
+
+    @staticmethod
+    def reset_and_restore(limit: GpuMemoryLimit) -> None:
+        import torch
+
+        for d in limit.devices:
+            torch.cuda.reset_peak_memory_stats(int(d[4:]))
+        for i, fraction in (limit._state or {}).items():
+            torch.cuda.set_per_process_memory_fraction(fraction, i)
