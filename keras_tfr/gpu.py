@@ -69,8 +69,11 @@ class GpuMemoryLimit:
     Attributes:
         backend: the Keras backend the cap was applied to (``"tensorflow"``, ``"jax"``,
             ``"torch"``).
-        megabytes: the cap per GPU in MiB, or ``None`` with ``growth=True``.
-        fraction: the cap as a fraction of each GPU's total, when given as such.
+        megabytes: the cap per GPU in MiB as given (``None`` with `fraction` or `growth`).
+        fraction: the cap as a fraction of each GPU's total, as given.
+        limit_mb: the cap in MiB as applied (from `megabytes` or `fraction`; the smallest
+            over the GPUs); ``None`` with ``growth=True`` or when `fraction` could not
+            be applied for lack of a GPU.
         growth: whether memory is taken on demand instead of reserved up front.
         devices: names of the capped GPUs (``["GPU:0"]``); empty when there is no GPU.
         total_mb: each capped GPU's total memory in MiB where the driver reported it.
@@ -86,6 +89,7 @@ class GpuMemoryLimit:
         self.megabytes = megabytes
         self.fraction = fraction
         self.growth = growth
+        self.limit_mb: int | None = megabytes
         self._indices = None if devices is None else list(devices)
         self.backend = _keras_backend()
         self.devices: list[str] = []
@@ -132,7 +136,7 @@ class GpuMemoryLimit:
         """A one-line summary: backend, devices, limit, peak and device total."""
         if not self.devices:
             return f"limit_gpu_memory: no GPU ({self.backend}); no limit"
-        limit = "growth" if self.megabytes is None else f"{self.megabytes} MiB"
+        limit = "growth" if self.limit_mb is None else f"{self.limit_mb} MiB"
         peak = self.peak_mb
         total = ", ".join("?" if t is None else str(t) for t in self.total_mb)
         return (
@@ -149,8 +153,7 @@ class GpuMemoryLimit:
 
     def __exit__(self, *exc_info: Any) -> None:
         if not self.devices:
-            self._state = None
-            return
+            return  # nothing was applied, nothing to report or restore
         peaks = self._peaks()
         self._recorded_peak = max(peaks) if peaks else None
         logger.info("%s", self.report())
@@ -172,12 +175,12 @@ class GpuMemoryLimit:
         return wrapper  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        what = (
-            "growth=True"
-            if self.megabytes is None
-            else f"megabytes={self.megabytes}"
-            + ("" if self.fraction is None else f" (fraction={self.fraction})")
-        )
+        if self.growth:
+            what = "growth=True"
+        elif self.fraction is not None:
+            what = f"fraction={self.fraction}"
+        else:
+            what = f"megabytes={self.megabytes}"
         return f"GpuMemoryLimit({what}, backend={self.backend!r}, devices={self.devices})"
 
 
@@ -227,7 +230,7 @@ def limit_gpu_memory(
         devices: indices of the GPUs to cap (``[0, 2]``); all visible GPUs by default.
 
     Returns:
-        A `GpuMemoryLimit`, with ``devices``, ``peak_mb`` and ``report()``.
+        A `GpuMemoryLimit`, with ``devices``, ``limit_mb``, ``peak_mb`` and ``report()``.
 
     Raises:
         ValueError: the arguments or the environment variable are invalid.
@@ -352,9 +355,15 @@ def _from_environment() -> tuple[int | None, float | None] | None:
 
 def _limit_from_environment() -> GpuMemoryLimit | None:
     """Applies the environment's cap; called by ``import keras_tfr`` when one is set."""
+    global _ENVIRONMENT_LIMIT
     if _from_environment() is None:
         return None
-    return limit_gpu_memory()
+    _ENVIRONMENT_LIMIT = limit_gpu_memory()
+    return _ENVIRONMENT_LIMIT
+
+
+# The cap `import keras_tfr` applied from the environment, if any.
+_ENVIRONMENT_LIMIT: GpuMemoryLimit | None = None
 
 
 # -- backends ----------------------------------------------------------------------------
@@ -452,8 +461,7 @@ class _TensorFlow:
             total = totals[i] if totals is not None and i < len(totals) else None
             if not limit.growth:
                 mb = _limit_for_total(limit, total, f"GPU:{i}")
-                if limit.fraction is not None:
-                    limit.megabytes = mb
+                limit.limit_mb = mb if limit.limit_mb is None else min(mb, limit.limit_mb)
                 _tf_set(tf, gpu, logical=[tf.config.LogicalDeviceConfiguration(memory_limit=mb)])
             if gpu in visible:  # the logical name: one logical device per visible GPU
                 names.append(f"GPU:{visible.index(gpu)}")
@@ -564,6 +572,18 @@ def _jax_started() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
+def _check_jax_not_started(wanted: dict[str, str]) -> None:
+    """Raises when JAX started already, unless the environment holds `wanted` already."""
+    if not _jax_started() or all(os.environ.get(k) == v for k, v in wanted.items()):
+        return  # e.g. `import keras_tfr` set the same cap before JAX started
+    had = {k: os.environ[k] for k in _JAX_VARIABLES if k in os.environ}
+    raise GpuMemoryError(
+        "limit_gpu_memory must run before JAX's first operation, but JAX already started "
+        f"its backends (with {had or 'its default preallocation'}), and XLA reads "
+        f"{', '.join(sorted(wanted))} only when it starts. " + _FIX
+    )
+
+
 class _Jax:
     @staticmethod
     def apply(limit: GpuMemoryLimit) -> Any:
@@ -578,19 +598,10 @@ class _Jax:
         if not totals or (platforms and not any(p in platforms for p in ("cuda", "gpu"))):
             return "no-gpu"
         wanted = _jax_environment(limit.megabytes, limit.fraction, limit.growth, totals)
-        if _jax_started():
-            if all(os.environ.get(k) == v for k, v in wanted.items()):
-                pass  # the same cap was set before JAX started (e.g. at `import keras_tfr`)
-            else:
-                had = {k: os.environ[k] for k in _JAX_VARIABLES if k in os.environ}
-                raise GpuMemoryError(
-                    "limit_gpu_memory must run before JAX's first operation, but JAX already "
-                    f"started its GPU backend (with {had or 'its default of 75% of the GPU'}); "
-                    "XLA reads XLA_PYTHON_CLIENT_MEM_FRACTION only when it starts. " + _FIX
-                )
+        _check_jax_not_started(wanted)
         os.environ.update(wanted)
-        if limit.fraction is not None:
-            limit.megabytes = int(limit.fraction * max(totals))
+        fraction = float(wanted.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "nan"))
+        limit.limit_mb = None if limit.growth else int(fraction * min(totals))
         limit.devices = [f"GPU:{i}" for i in range(len(totals))]
         limit.total_mb = list(totals)
         return "applied"
@@ -629,8 +640,7 @@ class _Torch:
             getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
             previous[i] = getter(i) if getter is not None else 1.0
             torch.cuda.set_per_process_memory_fraction(min(1.0, mb / total), i)
-            if limit.fraction is not None:
-                limit.megabytes = mb
+            limit.limit_mb = mb if limit.limit_mb is None else min(mb, limit.limit_mb)
         limit.devices = [f"GPU:{i}" for i in chosen]
         limit.total_mb = totals
         return previous

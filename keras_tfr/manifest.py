@@ -53,12 +53,12 @@ from keras_tfr import _io
 from keras_tfr._version import __version__
 from keras_tfr.errors import IncompleteDatasetError, ManifestError, ShardError
 from keras_tfr.schema import (
+    FEATURE_KINDS,
     MAX_RANK,
     MAX_RECORD_BYTES,
     MAX_SAMPLE_BYTES,
     ROLES,
     SUPPORTED_DTYPES,
-    FEATURE_KINDS,
     FeatureSpec,
 )
 

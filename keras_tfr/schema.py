@@ -327,7 +327,9 @@ def variable_lengths(spec: FeatureSpec, raw: Any, lengths: Any, count: int) -> n
     ):
         raise ValueError(f"record has no bytes features `{spec.key}` and `{spec.lengths_key}`")
     if len(lengths) != 8 * count:
-        raise ValueError(f"feature `{spec.lengths_key}` holds {len(lengths)} bytes, not {8 * count}")
+        raise ValueError(
+            f"feature `{spec.lengths_key}` holds {len(lengths)} bytes, not {8 * count}"
+        )
     n = np.frombuffer(lengths, "<i8")
     row = spec.sample_bytes
     if (n < 0).any() or int(n.sum()) * row != len(raw):
@@ -349,8 +351,11 @@ def _decode_variable(spec: FeatureSpec, raw: Any, lengths: Any, count: int) -> n
         if spec.kind == "bytes":
             out[i] = buf[start:end]
         else:
-            a = np.frombuffer(buf[start:end], np.uint8 if spec.dtype == "bool" else spec.np_dtype)
-            a = a.astype(np.dtype(spec.dtype), copy=False) if spec.dtype != "bool" else a.astype(bool)
+            if spec.dtype == "bool":
+                a = np.frombuffer(buf[start:end], np.uint8).astype(bool)
+            else:
+                a = np.frombuffer(buf[start:end], spec.np_dtype)
+                a = a.astype(np.dtype(spec.dtype), copy=False)
             out[i] = a.reshape((-1, *spec.shape))
         start = end
     return out
@@ -412,5 +417,6 @@ def tf_decode_variable(raw_bytes, raw_lengths, spec: FeatureSpec):
         elif spec.dtype == "int8":
             values = tf.bitcast(values, tf.int8)
     else:
-        values = tf.bitcast(tf.reshape(u8, [-1, *spec.shape, spec.itemsize]), tf.as_dtype(spec.dtype))
+        values = tf.reshape(u8, [-1, *spec.shape, spec.itemsize])
+        values = tf.bitcast(values, tf.as_dtype(spec.dtype))
     return tf.RaggedTensor.from_row_lengths(values, lengths, validate=False)

@@ -31,8 +31,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from keras_tfr import distribute as _distribute
 from keras_tfr.manifest import Manifest, parse_size
-from keras_tfr.schema import COUNT_KEY, FeatureSpec, check_host_byte_order, tf_decode_feature
+from keras_tfr.schema import (
+    COUNT_KEY,
+    FeatureSpec,
+    check_host_byte_order,
+    tf_decode_feature,
+    tf_decode_variable,
+)
 
 __all__ = ["TFRecordSequenceSource"]
 
@@ -62,8 +69,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         drop_remainder: drop the last, partial batch.
         validation_split: fraction (0 to 1) of the data reserved for validation; whole
             records are assigned, so the two subsets are disjoint and together complete.
-        subset: ``"training"``, ``"validation"`` or ``"both"`` (then the constructor
-            returns... see `split`) — required with ``validation_split``.
+        subset: ``"training"`` or ``"validation"``; required with ``validation_split``.
         shuffle_memory: the shuffle's memory budget in bytes (``"64MB"`` or an int).
         on_corrupt: ``"raise"`` (default) stops on a damaged record with its file and byte
             offset; ``"skip"`` logs it, drops it (TensorFlow's reader cannot resume inside
@@ -75,6 +81,12 @@ class TFRecordSequenceSource(tf.data.Dataset):
         deterministic: element order reproducible across runs; default True unless
             ``shuffle=True`` without a ``seed``.
         check_files: check at construction that every shard exists with its size.
+        ragged: for variable-length features: ``"pad"`` (default) pads each batch with
+            zeros to its longest sample; ``"ragged"`` yields `tf.RaggedTensor` batches.
+        decode: ``{feature key: fn}``: a TensorFlow function applied to each sample of
+            that feature inside the pipeline, e.g. ``{"x": tf.io.decode_png}`` for a
+            ``bytes`` feature of PNG files. Its outputs must share one shape within a
+            batch (resize inside `fn` when images differ in size).
 
     Example:
         >>> train = TFRecordSequenceSource("data/train", batch_size=256, shuffle=True,
@@ -101,9 +113,25 @@ class TFRecordSequenceSource(tf.data.Dataset):
         num_parallel_reads: int | None = None,
         deterministic: bool | None = None,
         check_files: bool = True,
+        ragged: str = "pad",
+        decode: dict[str, Any] | None = None,
+        num_workers: int | None = None,
+        worker_index: int | None = None,
+        service: str | None = None,
+        service_mode: str = "distributed_epoch",
+        service_job_name: str | None = None,
         manifest: Manifest | None = None,
     ):
         check_host_byte_order()
+        self._worker = _distribute.check_worker_args(num_workers, worker_index)
+        _distribute.check_service_args(service, service_mode, service_job_name)
+        if service is not None and on_corrupt == "skip":
+            raise ValueError(
+                "`on_corrupt='skip'` runs Python code in the pipeline, which the tf.data "
+                "service cannot ship to its workers. Received: service="
+                f"{service!r} with on_corrupt='skip'; use on_corrupt='raise'."
+            )
+        self._service = (service, service_mode, service_job_name) if service else None
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
         if batch_size < 1:
@@ -162,6 +190,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         if manifest is None:
             manifest = Manifest.load(os.fspath(directory), check_files=check_files)
+        from keras_tfr.tfrecords import check_decode_options
+
+        self._ragged, self._decode = check_decode_options(
+            ragged, decode, [f.key for f in manifest.features]
+        )
         self._manifest = manifest
         self._config = dict(
             directory=os.fspath(directory),
@@ -176,6 +209,13 @@ class TFRecordSequenceSource(tf.data.Dataset):
             max_corrupt_records=max_corrupt_records,
             num_parallel_reads=num_parallel_reads,
             deterministic=deterministic,
+            ragged=ragged,
+            decode=decode,
+            num_workers=num_workers,
+            worker_index=worker_index,
+            service=service,
+            service_mode=service_mode,
+            service_job_name=service_job_name,
         )
         self._batch_size = int(batch_size)
         self._shuffle = bool(shuffle)
@@ -207,6 +247,18 @@ class TFRecordSequenceSource(tf.data.Dataset):
             raise ValueError(
                 f"`batch_size={batch_size}` with `drop_remainder=True` leaves no batch: the "
                 f"subset holds only {self._num_samples} samples."
+            )
+        self._pad_batches = 0
+        if self._worker is not None:
+            # This worker's balanced share, and the step count every worker agrees on.
+            self._keep, self._num_samples, self._steps, self._pad_batches = (
+                _distribute.worker_share(
+                    self._keep,
+                    self._record_samples(),
+                    *self._worker,
+                    self._batch_size,
+                    self._drop_remainder,
+                )
             )
         self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
@@ -270,6 +322,23 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def with_batch_size(self, batch_size: int) -> TFRecordSequenceSource:
         """A copy with another batch size (no re-reading of the manifest)."""
         return self.replace(batch_size=batch_size)
+
+    @staticmethod
+    def from_tfrecords(paths_or_glob: Any, features: Any = None, batch_size: int = 32, **kwargs):
+        """Streams TFRecord files written by other tools (one `tf.train.Example` per sample).
+
+        See `keras_tfr.tfrecords.from_tfrecords` for the arguments. Returns a
+        `tf.data.Dataset` of known cardinality (records are counted once; the count is
+        cached beside the files).
+
+        Example:
+            >>> ds = TFRecordSequenceSource.from_tfrecords(
+            ...     "old/*.tfrecord", features={"image": TensorFeature(tf.float32, (28, 28)),
+            ...     "label": tf.io.FixedLenFeature([], tf.float32)}, y="label", batch_size=256)
+        """
+        from keras_tfr.tfrecords import from_tfrecords
+
+        return from_tfrecords(paths_or_glob, features, batch_size, **kwargs)
 
     # ----------------------------------------------------------- selection
 
@@ -394,24 +463,42 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
         feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
+        fixed_specs = [s for s in specs if s.kind == "fixed"]
+        variable_specs = [s for s in specs if s.kind != "fixed"]
+        for s in variable_specs:
+            feature_spec[s.lengths_key] = tf.io.FixedLenFeature([], tf.string)
         has_short_record = m.total_samples % spr != 0
         shuffle = self._shuffle
 
         def decode_pool(serialized, rand):
             parsed = tf.io.parse_example(serialized, feature_spec)
             counts_ = parsed[COUNT_KEY]
-            decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in specs}
+            decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in fixed_specs}
+            # Non-fixed features decode to exactly the pool's samples (no padding).
+            variable = {
+                s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
+                for s in variable_specs
+            }
             if shuffle:
                 if has_short_record:
                     valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
                     idx = tf.where(valid)[:, 0]
                 else:
                     idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
-                idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
+                if variable:
+                    # The same permutation as stateless_shuffle(idx), applied to both.
+                    perm = tf.random.experimental.stateless_shuffle(
+                        tf.range(tf.size(idx, out_type=tf.int64)), seed=rand
+                    )
+                    idx = tf.gather(idx, perm)
+                    variable = {k: tf.gather(v, perm) for k, v in variable.items()}
+                else:
+                    idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
                 decoded = {k: tf.gather(v, idx) for k, v in decoded.items()}
             elif has_short_record:
                 n = tf.reduce_sum(counts_)
                 decoded = {k: v[:n] for k, v in decoded.items()}
+            decoded.update(variable)
             return decoded
 
         if shuffle:
@@ -426,16 +513,33 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True,
             )
+        if self._service is not None:
+            # Reading, parsing and decoding run on the tf.data service workers; batches are
+            # cut here, so an epoch keeps exactly the step count Keras was given.
+            pools = _distribute.via_service(pools, *self._service)
         batches = pools.rebatch(self._batch_size, drop_remainder=self._drop_remainder)
+        if variable_specs or self._decode:
+            from keras_tfr.tfrecords import finish_features
+
+            finish = finish_features(self._decode, self._ragged)
+            batches = batches.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         batches = batches.map(self._structure_fn(specs))
+        if self._pad_batches:
+            batches = _distribute.pad_with_empty_batches(batches, self._pad_batches)
         if skip_mode:
             # Dropped records would shorten the epoch: fill it from the next pass instead,
             # so Keras always gets exactly the step count it was given.
             batches = batches.repeat().take(self._steps)
         batches = batches.prefetch(tf.data.AUTOTUNE)
-        batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
+        if self._service is None or self._service[1] == "distributed_epoch":
+            # (in "parallel_epochs" mode every service worker sends an epoch of its own)
+            batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
         options = tf.data.Options()
         options.deterministic = self._deterministic
+        if self._worker is not None:
+            # This source already holds only its worker's share: no second sharding.
+            off = tf.data.experimental.AutoShardPolicy.OFF
+            options.experimental_distribute.auto_shard_policy = off
         options.experimental_optimization.map_parallelization = True
         batches = batches.with_options(options)
         return batches

@@ -108,6 +108,8 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
     records = samples = 0
     keys = {f.key: f for f in manifest.features}
     spr = manifest.samples_per_record
+    last_shard = shard.file == manifest.shards[-1].file
+    size_problems = len(problems)
     record_index = 0
     try:
         for offset, record in _iter_records(path, manifest.compression):
@@ -124,6 +126,12 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
             if not isinstance(count, int) or not 1 <= count <= spr:
                 problems.append(f"{where}: bad sample count {count!r}")
                 break
+            if count != spr and not (last_shard and record_index == shard.records - 1):
+                problems.append(
+                    f"{where}: holds {count} samples, not {spr} (only the data set's last "
+                    "record may hold fewer)"
+                )
+                break
             for key, spec in keys.items():
                 raw = fields.get(key)
                 if spec.kind != "fixed":
@@ -136,6 +144,8 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
                 if not isinstance(raw, memoryview) or len(raw) != count * spec.sample_bytes:
                     problems.append(f"{where}: feature `{key}` is missing or has the wrong size")
                     break
+            if len(problems) > size_problems:
+                break  # the first bad record is named; the rest of the shard is not trusted
             records += 1
             samples += count
             record_index += 1

@@ -497,6 +497,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
         verbose: int = 1,
         metadata: dict[str, Any] | None = None,
+        variable_length: Iterable[str] = (),
     ) -> Manifest:
         """Converts arrays (or an iterable of batches) in one call.
 
@@ -531,6 +532,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             chunk_size=chunk_size,
             verbose=verbose,
             metadata=metadata,
+            variable_length=variable_length,
         )
         if _is_batch_iterable(x):
             if y is not None or sample_weight is not None:
@@ -598,7 +600,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         specs: list[FeatureSpec] = []
         arrays: list[Any] = []
         for role, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
-            flat = _flatten(role, value)
+            flat = _flatten(role, value, self.variable_length)
             if flat is None:
                 continue
             kind, items = flat
@@ -645,10 +647,11 @@ class ArraysToRecords(keras.callbacks.Callback):
             )
         for k, s in new.items():
             o = old[k]
-            if (s.dtype, s.shape) != (o.dtype, o.shape):
+            if (s.dtype, s.shape, s.kind) != (o.dtype, o.shape, o.kind):
                 raise ValueError(
                     f"Expected `{k}` to keep dtype {o.dtype} and per-sample shape {o.shape} "
-                    f"across batches. Received: dtype {s.dtype}, shape {s.shape}"
+                    f"({o.kind}) across batches. Received: dtype {s.dtype}, shape {s.shape} "
+                    f"({s.kind})"
                 )
 
     def _open(self) -> None:
@@ -788,6 +791,10 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._specs = list(batch.specs)
         self._encoder = BlockEncoder(self._specs)
         sample_bytes = sum(s.sample_bytes for s in self._specs)
+        variable = any(s.kind != "fixed" for s in self._specs)
+        if variable:  # sized from the first batch's mean sample
+            mean = sum(map(_mean_sample_bytes, batch.specs, batch.arrays))
+            sample_bytes = max(1, math.ceil(mean))
         if self.samples_per_record_arg is not None:
             spr = self.samples_per_record_arg
         else:
@@ -798,9 +805,12 @@ class ArraysToRecords(keras.callbacks.Callback):
                 "protobuf limit: lower `samples_per_record`."
             )
         self._spr = spr
-        self._record_bytes = len(
-            self._encoder.encode(spr, [b"\0" * (spr * s.sample_bytes) for s in self._specs])
-        )
+        if variable:
+            self._record_bytes = spr * sample_bytes + 32 * (1 + 2 * len(self._specs))
+        else:
+            self._record_bytes = len(
+                self._encoder.encode(spr, [b"\0" * (spr * s.sample_bytes) for s in self._specs])
+            )
         per_shard = max(1, self.shard_size // (self._record_bytes + 16))
         if self.expected_samples:
             total_records = math.ceil(self.expected_samples / spr)
@@ -818,6 +828,9 @@ class ArraysToRecords(keras.callbacks.Callback):
 
     def _append(self, batch: _Batch, start: int = 0) -> None:
         assert self._specs is not None
+        if any(s.kind != "fixed" for s in batch.specs):
+            self._append_variable(batch, start)
+            return
         spr = self._spr
         n = batch.n
         i = start
@@ -859,9 +872,29 @@ class ArraysToRecords(keras.callbacks.Callback):
             if self._progbar is not None:
                 self._progbar.update(self.samples_written)
 
+    def _append_variable(self, batch: _Batch, start: int) -> None:
+        """Block by block, through the pending lists: records differ in size."""
+        n = batch.n
+        i = start
+        while i < n:
+            if not self._pending:
+                self._pending = [[] for _ in batch.specs]
+            take = min(self._spr - self._pending_count, n - i)
+            for slot, (spec, arr) in enumerate(zip(batch.specs, batch.arrays)):
+                part = arr[i : i + take]
+                self._pending[slot].append(
+                    part if spec.kind != "fixed" else to_le_bytes(part, spec).copy()
+                )
+            self._pending_count += take
+            i += take
+            if self._pending_count == self._spr:
+                self._flush_pending()
+        if self._progbar is not None:
+            self._progbar.update(self.samples_written)
+
     def _flush_pending(self) -> None:
         count = self._pending_count
-        payloads = [b"".join(memoryview(a).cast("B") for a in parts) for parts in self._pending]
+        payloads = [_join_payload(s, parts) for s, parts in zip(self._specs, self._pending)]
         self._pending = [[] for _ in self._specs or []]
         self._pending_count = 0
         self._emit(count, payloads)

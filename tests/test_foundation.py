@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -266,7 +267,10 @@ def test_fit_evaluate_predict_in_written_order(make_dataset):
         def on_train_begin(self, logs=None):
             steps_seen.append(self.params["steps"])
 
-    hist = model.fit(train, validation_data=val, epochs=30, verbose=0, callbacks=[Steps()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist = model.fit(train, validation_data=val, epochs=30, verbose=0, callbacks=[Steps()])
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
     assert steps_seen == [len(train)]
     assert hist.history["loss"][-1] < 0.1 * hist.history["loss"][0]
     assert np.isfinite(model.evaluate(val, verbose=0))

@@ -1,0 +1,346 @@
+"""``keras-tfr convert | info | verify | bench``: data set subcommands of the command line.
+
+Argument definitions import nothing heavy; ``info`` never imports TensorFlow (it reads
+only the manifest), the others import it when they run.
+
+Exit codes: 0 success; 1 the command ran and found a problem (``verify`` found a bad
+shard); 2 bad usage or input (a missing file, an invalid manifest, a bad argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = [
+    "add_bench_arguments",
+    "add_convert_arguments",
+    "add_info_arguments",
+    "add_verify_arguments",
+    "load_array",
+    "run_bench",
+    "run_convert",
+    "run_info",
+    "run_verify",
+]
+
+_H5_SUFFIXES = (".h5", ".hdf5", ".he5")
+
+
+def _error(command: str, message: Any) -> int:
+    print(f"keras-tfr {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def load_array(spec: str) -> Any:
+    """Opens one array lazily (memory-mapped or as an h5py data set) from a SPEC.
+
+    ``file.npy``; ``file.npz:key`` (``.npz`` members are read into memory: NumPy cannot
+    memory-map inside a zip; store large arrays as ``.npy``); ``file.h5:group/dataset``;
+    ``file.bin:DTYPE:D1,D2`` for a raw memmap of samples of shape ``(D1, D2)``
+    (``file.bin:DTYPE`` for scalars).
+
+    Raises:
+        ValueError, OSError: the SPEC is malformed or the file cannot be opened.
+    """
+    import numpy as np
+
+    path, _, rest = spec.partition(":")
+    lower = path.lower()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist (from {spec!r})")
+    if lower.endswith(".npy"):
+        if rest:
+            raise ValueError(f"{spec!r}: a .npy file takes no ':KEY'")
+        return np.load(path, mmap_mode="r")
+    if lower.endswith(".npz"):
+        archive = np.load(path)
+        if not rest:
+            if len(archive.files) != 1:
+                raise ValueError(f"{spec!r}: name one of the arrays {archive.files} as {path}:KEY")
+            rest = archive.files[0]
+        if rest not in archive.files:
+            raise ValueError(f"{spec!r}: {path} has no array {rest!r} (it has {archive.files})")
+        return archive[rest]
+    if lower.endswith(_H5_SUFFIXES):
+        try:
+            import h5py
+        except ImportError as e:
+            raise ValueError(f"{spec!r}: reading HDF5 needs h5py (pip install h5py)") from e
+        if not rest:
+            raise ValueError(f"{spec!r}: name the data set as {path}:DATASET")
+        f = h5py.File(path, "r")
+        if rest not in f or not isinstance(f[rest], h5py.Dataset):
+            raise ValueError(f"{spec!r}: {path} has no data set {rest!r}")
+        return f[rest]
+    dtype, _, shape = rest.partition(":")
+    if not dtype:
+        raise ValueError(
+            f"{spec!r}: a raw file needs its dtype and per-sample shape, as "
+            f"{path}:float32:28,28 (or {path}:int64 for scalars)"
+        )
+    try:
+        dt = np.dtype(dtype)
+        sample_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{spec!r}: bad dtype or shape ({e})") from e
+    sample_bytes = dt.itemsize * int(np.prod(sample_shape, dtype=np.int64))
+    size = os.path.getsize(path)
+    if sample_bytes == 0 or size % sample_bytes:
+        raise ValueError(
+            f"{spec!r}: {path} holds {size} bytes, not a whole number of samples of "
+            f"{sample_bytes} bytes (dtype {dt}, shape {sample_shape})"
+        )
+    return np.memmap(path, dtype=dt, mode="r", shape=(size // sample_bytes, *sample_shape))
+
+
+def _role_value(specs: list[str] | None) -> Any:
+    """One SPEC -> an array; several ``NAME=SPEC`` -> a dict."""
+    if not specs:
+        return None
+    if len(specs) == 1 and "=" not in specs[0].split(":")[0]:
+        return load_array(specs[0])
+    out = {}
+    for s in specs:
+        name, sep, spec = s.partition("=")
+        if not sep:
+            raise ValueError(f"with several arrays for one role, name each: NAME=SPEC (got {s!r})")
+        out[name] = load_array(spec)
+    return out
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Convert arrays on disk to a keras-tfr data set, chunk by chunk with flat memory. "
+        "SPEC is file.npy (memory-mapped), file.npz:KEY, file.h5:DATASET (h5py), or a raw "
+        "memmap file.bin:DTYPE:D1,D2 (per-sample shape). Give several NAME=SPEC for named "
+        "inputs or outputs."
+    )
+    parser.epilog = "example: keras-tfr convert data/train --x x.npy --y labels.h5:y"
+    parser.add_argument("directory", help="directory of the new data set")
+    parser.add_argument("--x", action="append", required=True, metavar="SPEC", help="inputs")
+    parser.add_argument("--y", action="append", metavar="SPEC", help="targets")
+    parser.add_argument("--sample-weight", metavar="SPEC", help="per-sample weights")
+    parser.add_argument("--shard-size", default="128MB", help="target bytes per shard")
+    parser.add_argument("--record-size", default="256KB", help="target bytes per block")
+    parser.add_argument("--compression", choices=["GZIP", "ZLIB"], help="shard compression")
+    parser.add_argument("--min-shards", type=int, default=8, help="write at least N shards")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing data set")
+    parser.add_argument("--resume", action="store_true", help="continue an unfinished conversion")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from keras_tfr.errors import KerasTFRError
+
+    try:
+        x = _role_value(args.x)
+        y = _role_value(args.y)
+        sw = load_array(args.sample_weight) if args.sample_weight else None
+        from keras_tfr.writer import ArraysToRecords
+
+        manifest = ArraysToRecords.from_arrays(
+            x,
+            y,
+            args.directory,
+            sample_weight=sw,
+            shard_size=args.shard_size,
+            record_size=args.record_size,
+            compression=args.compression,
+            min_shards=args.min_shards,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            verbose=0 if args.quiet else 1,
+        )
+    except (KerasTFRError, ValueError, TypeError, OSError) as e:
+        return _error("convert", e)
+    print(
+        f"wrote {manifest.total_samples} samples in {len(manifest.shards)} shards "
+        f"({_fmt_bytes(manifest.total_bytes)}) to {args.directory}"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------ info
+
+
+def _fmt_bytes(n: float) -> str:
+    from keras_tfr.manifest import format_bytes
+
+    return format_bytes(n)
+
+
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Show a data set's schema (features, roles, dtypes, shapes), counts, sizes and a "
+        "table of its shards. Reads only the manifest (and file sizes): quick on any size."
+    )
+    parser.add_argument("directory", help="the data set's directory")
+    parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    parser.add_argument(
+        "--max-shards", type=int, default=50, help="shards listed in the table (0: all)"
+    )
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from keras_tfr.errors import KerasTFRError
+    from keras_tfr.manifest import Manifest
+
+    try:
+        m = Manifest.load(args.directory, check_files=False)
+    except KerasTFRError as e:
+        return _error("info", e)
+    if args.json:
+        print(json.dumps(m.to_json(), indent=2))
+        return 0
+    out = [
+        f"data set    {args.directory}",
+        f"format      keras-tfr v{m.to_json()['format_version']}, written by keras-tfr "
+        f"{m.writer_version} {m.created}",
+        f"samples     {m.total_samples}",
+        f"records     {m.total_records} ({m.samples_per_record} samples per record)",
+        f"shards      {len(m.shards)}",
+        f"size        {_fmt_bytes(m.total_bytes)} on disk"
+        + (f", {m.compression} compressed" if m.compression else ""),
+        "features:",
+    ]
+    width = max(len(f.key) for f in m.features)
+    for f in m.features:
+        shape = f"({', '.join(map(str, f.shape))}{',' if len(f.shape) == 1 else ''})"
+        kind = getattr(f, "kind", "fixed")
+        if kind == "ragged":
+            shape = "(None" + "".join(f", {d}" for d in f.shape) + ")"
+        desc = "bytes (one string per sample)" if kind == "bytes" else f"{f.dtype:8} {shape}"
+        out.append(f"  {f.key:{width}}  {f.role:13}  {desc}")
+    if m.user_metadata:
+        out.append(f"metadata    {json.dumps(m.user_metadata)}")
+    out.append("shards:")
+    out.append(f"  {'file':28} {'samples':>10} {'records':>9} {'bytes':>12}  checksum       state")
+    limit = args.max_shards if args.max_shards > 0 else len(m.shards)
+    problems = 0
+    for shard in m.shards:
+        try:
+            actual = os.path.getsize(m.shard_path(shard)) if "://" not in m.directory else None
+        except OSError:
+            actual = -1
+        state = (
+            "ok"
+            if actual in (None, shard.bytes)
+            else ("MISSING" if actual == -1 else f"SIZE {actual}")
+        )
+        problems += state not in ("ok",)
+        if limit > 0:
+            out.append(
+                f"  {shard.file:28} {shard.samples:>10} {shard.records:>9} {shard.bytes:>12}  "
+                f"{shard.checksum}  {state}"
+            )
+            limit -= 1
+    if len(m.shards) > max(args.max_shards, 0) and args.max_shards > 0:
+        out.append(f"  ... and {len(m.shards) - args.max_shards} more (--max-shards 0 lists all)")
+    print("\n".join(out))
+    if problems:
+        print(
+            f"{problems} shard(s) missing or of the wrong size: run `keras-tfr verify`",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Read every record of a data set and check it: file sizes, TFRecord CRCs, the "
+        "Example layout, record and sample counts, and each shard's checksum. Exits 1 "
+        "naming every bad shard, 0 when all are sound."
+    )
+    parser.add_argument("directory", help="the data set's directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from keras_tfr.errors import KerasTFRError
+    from keras_tfr.verify import verify
+
+    try:
+        report = verify(args.directory, verbose=0 if args.quiet else 1)
+    except KerasTFRError as e:
+        return _error("verify", e)
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure how fast this machine reads a data set: examples/s and MB/s over one "
+        "epoch of TFRecordSequenceSource (after a warm-up batch). Run it twice to see the "
+        "page cache's effect."
+    )
+    parser.add_argument("directory", help="the data set's directory")
+    parser.add_argument("--batch-size", type=int, default=256, help="samples per batch")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs to time")
+    parser.add_argument(
+        "--no-shuffle", action="store_true", help="read in written order (default: shuffled)"
+    )
+    parser.add_argument("--shuffle-memory", default="64MB", help="shuffle buffer in bytes")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from keras_tfr.errors import KerasTFRError
+
+    if args.batch_size < 1 or args.epochs < 1:
+        return _error("bench", "--batch-size and --epochs must be positive")
+    try:
+        from keras_tfr.source import TFRecordSequenceSource
+
+        src = TFRecordSequenceSource(
+            args.directory,
+            batch_size=args.batch_size,
+            shuffle=not args.no_shuffle,
+            seed=0,
+            shuffle_memory=args.shuffle_memory,
+        )
+    except (KerasTFRError, ValueError, TypeError, OSError) as e:
+        return _error("bench", e)
+    m = src.manifest
+    samples = 0
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        for batch in src:
+            first = batch[0] if isinstance(batch, tuple) else batch
+            while isinstance(first, (dict, tuple, list)):
+                first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+            samples += int(first.shape[0])
+    seconds = time.perf_counter() - start
+    mean_bytes = m.total_bytes / max(1, m.total_samples)
+    result = {
+        "directory": args.directory,
+        "samples": samples,
+        "seconds": round(seconds, 4),
+        "examples_per_s": round(samples / seconds, 1) if seconds else None,
+        "mb_per_s": round(samples * mean_bytes / seconds / 1e6, 2) if seconds else None,
+        "batch_size": args.batch_size,
+        "shuffle": not args.no_shuffle,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{samples} samples in {seconds:.2f} s: {result['examples_per_s']:,.0f} examples/s, "
+            f"{result['mb_per_s']:,.1f} MB/s (batch {args.batch_size}, "
+            f"{'shuffled' if result['shuffle'] else 'in order'})"
+        )
+    return 0

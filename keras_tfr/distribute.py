@@ -1,0 +1,440 @@
+"""Scaling out: many workers (`tf.distribute`), the tf.data service, the `serve` command.
+
+Three engines of TensorFlow's own, no new machinery:
+
+* **Many workers, one model** (`tf.distribute.MultiWorkerMirroredStrategy`). Every worker
+  process builds the same `TFRecordSequenceSource` with ``num_workers`` and
+  ``worker_index``: each then reads a disjoint, balanced share of the records (contiguous
+  runs of whole shards; at most one shard is split between two neighbours), and every
+  worker gets the same step count, so the collectives of one step never wait for a worker
+  that already finished its epoch. `distribute_source` does this through
+  `tf.distribute.Strategy.distribute_datasets_from_function`, with the global batch the
+  user asked for split evenly across replicas.
+* **The tf.data service** (`tf.data.experimental.service`): ``service="grpc://host:port"``
+  on the source sends reading and decoding to a dispatcher and its workers;
+  `start_service` and ``keras-tfr serve`` start such a cluster.
+* **Storage beyond the local disk**: every file access of keras-tfr goes through
+  `keras_tfr._io`, which hands paths with a URL scheme to `tf.io.gfile`.
+
+Why not TensorFlow's automatic file sharding alone: when Keras distributes a plain
+`tf.data.Dataset`, tf.data's auto-sharding hands out shards round-robin; when the shards
+do not split evenly over the workers, one worker has more batches than the step count
+Keras took from the whole data set, and the rest of its data is silently left unread that
+epoch. An explicit, balanced share per worker with one agreed step count has no such case.
+
+This module imports TensorFlow only inside functions, so ``keras-tfr serve --help`` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ServiceCluster", "distribute_source", "start_service"]
+
+SERVICE_MODES = ("distributed_epoch", "parallel_epochs")
+
+
+# ----------------------------------------------------------------- per-worker share
+
+
+def check_worker_args(num_workers: Any, worker_index: Any) -> tuple[int, int] | None:
+    """Validates ``num_workers`` / ``worker_index``; None when neither is given."""
+    if num_workers is None and worker_index is None:
+        return None
+    if num_workers is None or worker_index is None:
+        raise ValueError(
+            "Expected both `num_workers` and `worker_index`, or neither. Received: "
+            f"num_workers={num_workers!r}, worker_index={worker_index!r}"
+        )
+    for name, value in (("num_workers", num_workers), ("worker_index", worker_index)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"Expected `{name}` to be an int. Received: {value!r}")
+    if num_workers < 1:
+        raise ValueError(f"Expected `num_workers` to be a positive int. Received: {num_workers}")
+    if not 0 <= worker_index < num_workers:
+        raise ValueError(
+            f"Expected `worker_index` in [0, {num_workers}) for num_workers={num_workers}. "
+            f"Received: {worker_index}"
+        )
+    return int(num_workers), int(worker_index)
+
+
+def worker_share(
+    keep: np.ndarray | None,
+    record_samples: np.ndarray,
+    num_workers: int,
+    worker_index: int,
+    batch_size: int,
+    drop_remainder: bool,
+) -> tuple[np.ndarray, int, int, int]:
+    """One worker's share of the records and the step count all workers agree on.
+
+    The selected records are cut into ``num_workers`` contiguous runs whose record counts
+    differ by at most one (`numpy.array_split`), so each worker opens about
+    ``1/num_workers`` of the shard files. The step count is the largest of the workers'
+    own counts (the smallest with ``drop_remainder``); a worker with fewer batches ends
+    its epoch with empty batches, which Keras' losses reduce with ``divide_no_nan``.
+
+    Returns:
+        ``(keep_mask, samples, steps, pad_batches)`` for this worker.
+    """
+    total = len(record_samples)
+    selected = np.flatnonzero(keep) if keep is not None else np.arange(total)
+    if len(selected) < num_workers:
+        raise ValueError(
+            f"`num_workers={num_workers}` needs at least {num_workers} records in the "
+            f"selected data; it holds {len(selected)}. Write the data set with a smaller "
+            "`samples_per_record` (and at least 10 shards per expected worker)."
+        )
+    runs = np.array_split(selected, num_workers)
+    samples = [int(record_samples[r].sum()) for r in runs]
+    if drop_remainder:
+        own = [n // batch_size for n in samples]
+        steps = min(own)
+        if steps == 0:
+            raise ValueError(
+                f"`batch_size={batch_size}` with `drop_remainder=True` leaves no batch for "
+                f"a worker: the smallest worker share holds {min(samples)} samples."
+            )
+    else:
+        own = [math.ceil(n / batch_size) for n in samples]
+        steps = max(own)
+    mask = np.zeros(total, dtype=bool)
+    mask[runs[worker_index]] = True
+    pad = max(0, steps - own[worker_index])
+    return mask, samples[worker_index], steps, pad
+
+
+def pad_with_empty_batches(batches, count: int):
+    """Appends ``count`` batches of zero samples with the element spec of ``batches``."""
+    import tensorflow as tf
+
+    def empty(spec):
+        return tf.zeros([0, *spec.shape[1:]], spec.dtype)
+
+    filler = tf.data.Dataset.from_tensors(tf.nest.map_structure(empty, batches.element_spec))
+    return batches.concatenate(filler.repeat(count))
+
+
+def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs: Any):
+    """A source split across the replicas of ``strategy``, for ``model.fit``.
+
+    Calls ``strategy.distribute_datasets_from_function``: each input pipeline (one per
+    worker, or one per replica when a worker holds several) builds a
+    `TFRecordSequenceSource` over its own balanced share of the records, with the per-replica
+    batch ``batch_size / num_replicas_in_sync``. Every pipeline has the same step count, so
+    the global batch of one step is ``batch_size`` and together the replicas see every
+    sample once per epoch.
+
+    Args:
+        strategy: a `tf.distribute.Strategy` (e.g. `MultiWorkerMirroredStrategy`,
+            `MirroredStrategy`).
+        directory: the data set's directory (local or a `tf.io.gfile` URL).
+        batch_size: the global batch size; must divide by ``num_replicas_in_sync``.
+        **source_kwargs: other `TFRecordSequenceSource` arguments (``shuffle``, ``seed``,
+            ``validation_split``, ``subset``, ...), the same on every worker.
+
+    Returns:
+        A `tf.distribute.DistributedDataset` that ``model.fit`` takes as it is.
+
+    Example:
+        >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        >>> with strategy.scope():
+        ...     model = make_model()
+        >>> train = distribute_source(strategy, "data/train", 256, shuffle=True, seed=0)
+        >>> model.fit(train, epochs=5)
+    """
+    import tensorflow as tf
+
+    from keras_tfr.manifest import Manifest
+    from keras_tfr.source import TFRecordSequenceSource
+
+    for name in ("num_workers", "worker_index", "batch_size", "manifest"):
+        if name in source_kwargs:
+            raise TypeError(f"`distribute_source` sets `{name}` itself; do not pass it.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
+    replicas = strategy.num_replicas_in_sync
+    if batch_size < replicas or batch_size % replicas:
+        raise ValueError(
+            f"Expected the global `batch_size` to be a multiple of the {replicas} replicas "
+            f"in sync, so that every replica gets the same batch. Received: {batch_size}"
+        )
+    manifest = Manifest.load(str(directory))
+    workers = _num_workers(strategy)
+    per_replica_pipelines = replicas > workers
+    mode = (
+        tf.distribute.InputReplicationMode.PER_REPLICA
+        if per_replica_pipelines
+        else tf.distribute.InputReplicationMode.PER_WORKER
+    )
+
+    def dataset_fn(ctx: tf.distribute.InputContext):
+        if per_replica_pipelines:
+            # One pipeline per replica; pipeline ids are numbered across all workers.
+            num, index = replicas, _global_replica_id(strategy, ctx)
+        else:
+            num, index = ctx.num_input_pipelines, ctx.input_pipeline_id
+        return TFRecordSequenceSource(
+            directory,
+            batch_size=batch_size // replicas,
+            num_workers=num,
+            worker_index=index,
+            manifest=manifest,
+            **source_kwargs,
+        )
+
+    return strategy.distribute_datasets_from_function(
+        dataset_fn, options=tf.distribute.InputOptions(experimental_replication_mode=mode)
+    )
+
+
+def _num_workers(strategy) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+
+
+def _global_replica_id(strategy, ctx) -> int:
+    # In PER_REPLICA mode TensorFlow numbers the pipelines of this worker from 0 and sets
+    # num_input_pipelines to the local replica count; shift by the worker's position.
+    local = ctx.num_input_pipelines
+    resolver = getattr(strategy, "cluster_resolver", None)
+    task = 0
+    if resolver is not None and resolver.cluster_spec().as_dict():
+        spec = resolver.cluster_spec().as_dict()
+        order = [("chief", i) for i in range(len(spec.get("chief", [])))] + [
+            ("worker", i) for i in range(len(spec.get("worker", [])))
+        ]
+        task = order.index((resolver.task_type, resolver.task_id))
+    return task * local + ctx.input_pipeline_id
+
+
+# ----------------------------------------------------------------- tf.data service
+
+
+def check_service_args(service: Any, mode: Any, job_name: Any) -> None:
+    """Validates the tf.data service arguments of `TFRecordSequenceSource`."""
+    if service is None:
+        return
+    if not isinstance(service, str) or "://" not in service:
+        raise ValueError(
+            "Expected `service` to be a dispatcher address such as 'grpc://host:5050'. "
+            f"Received: {service!r}"
+        )
+    if mode not in SERVICE_MODES:
+        raise ValueError(
+            f"Expected `service_mode` to be one of {SERVICE_MODES}. Received: {mode!r}"
+        )
+    if job_name is not None and (not isinstance(job_name, str) or not job_name):
+        raise ValueError(
+            f"Expected `service_job_name` to be a non-empty str or None. Received: {job_name!r}"
+        )
+
+
+def via_service(dataset, service: str, mode: str, job_name: str | None):
+    """Runs ``dataset`` (reading and decoding) on a tf.data service cluster.
+
+    In ``"distributed_epoch"`` mode the dispatcher hands each shard file to one worker, so
+    every record arrives once per epoch; in ``"parallel_epochs"`` mode each worker sends a
+    whole epoch of its own. A shared ``job_name`` lets several trainers read one job.
+    """
+    import tensorflow as tf
+
+    if mode == "distributed_epoch":
+        policy = tf.data.experimental.service.ShardingPolicy.DYNAMIC
+    else:
+        policy = tf.data.experimental.service.ShardingPolicy.OFF
+    return dataset.apply(
+        tf.data.experimental.service.distribute(
+            processing_mode=policy, service=service, job_name=job_name
+        )
+    )
+
+
+class ServiceCluster:
+    """A tf.data service dispatcher and its workers in this process.
+
+    Attributes:
+        target: the address to pass as ``service=`` (``"grpc://host:port"``), or None when
+            only workers of another dispatcher were started.
+        worker_addresses: ``host:port`` of each worker.
+    """
+
+    def __init__(self, dispatcher, workers: list, target: str | None, addresses: list[str]):
+        self.dispatcher = dispatcher
+        self.workers = workers
+        self.target = target
+        self.worker_addresses = addresses
+
+    def stop(self) -> None:
+        """Stops the workers, then the dispatcher."""
+        for server in [*self.workers, self.dispatcher]:
+            if server is not None and hasattr(server, "_stop"):
+                server._stop()
+        self.workers = []
+        self.dispatcher = None
+
+    def __enter__(self) -> ServiceCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<ServiceCluster dispatcher={self.target} workers={self.worker_addresses}>"
+
+
+def start_service(
+    num_workers: int = 2,
+    *,
+    port: int = 0,
+    worker_ports: list[int] | None = None,
+    host: str = "localhost",
+    dispatcher: str | None = None,
+    protocol: str = "grpc",
+) -> ServiceCluster:
+    """Starts a tf.data service dispatcher and ``num_workers`` workers in this process.
+
+    Args:
+        num_workers: workers to start (0: only the dispatcher).
+        port: the dispatcher's port; 0 picks a free one.
+        worker_ports: one port per worker; default: free ones.
+        host: the host name workers give the dispatcher as their address (what trainers
+            on other machines use to reach them).
+        dispatcher: ``"host:port"`` (or ``"grpc://host:port"``) of a dispatcher that runs
+            elsewhere: then only workers are started here, and they join it.
+        protocol: the transport, ``"grpc"``.
+
+    Returns:
+        A `ServiceCluster`; pass its ``target`` as ``service=`` to `TFRecordSequenceSource`.
+
+    Example:
+        >>> with start_service(num_workers=2) as cluster:
+        ...     train = TFRecordSequenceSource("data/train", 256, service=cluster.target)
+        ...     model.fit(train, epochs=2)
+    """
+    import tensorflow as tf
+
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(
+            f"Expected `num_workers` to be a non-negative int. Received: {num_workers!r}"
+        )
+    if worker_ports is not None and len(worker_ports) != num_workers:
+        raise ValueError(
+            f"Expected one port per worker in `worker_ports` ({num_workers}). "
+            f"Received: {worker_ports!r}"
+        )
+    service = tf.data.experimental.service
+    server = None
+    if dispatcher is None:
+        server = service.DispatchServer(service.DispatcherConfig(port=port, protocol=protocol))
+        address = server.target.split("://", 1)[1]
+        target = f"{protocol}://{host}:{address.rsplit(':', 1)[1]}"
+    else:
+        address = dispatcher.split("://", 1)[-1]
+        target = None
+    workers, addresses = [], []
+    for i in range(num_workers):
+        worker_port = 0 if worker_ports is None else int(worker_ports[i])
+        worker = service.WorkerServer(
+            service.WorkerConfig(
+                dispatcher_address=address,
+                port=worker_port,
+                worker_address=f"{host}:%port%",
+                protocol=protocol,
+            )
+        )
+        workers.append(worker)
+        addresses.append(f"{host}:{worker._address.rsplit(':', 1)[1]}")
+    return ServiceCluster(server, workers, target, addresses)
+
+
+# ----------------------------------------------------------------- `keras-tfr serve`
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``keras-tfr serve`` (light: no TensorFlow import)."""
+    parser.add_argument(
+        "--workers", type=int, default=2, help="tf.data service workers to start (default 2)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=5050, help="dispatcher port (default 5050; 0: a free one)"
+    )
+    parser.add_argument(
+        "--worker-ports",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="PORT",
+        help="one port per worker (default: free ports)",
+    )
+    parser.add_argument(
+        "--host",
+        default="localhost",
+        help="host name this machine is reached by, given to trainers (default localhost)",
+    )
+    parser.add_argument(
+        "--dispatcher",
+        default=None,
+        metavar="HOST:PORT",
+        help="start only workers, joining the dispatcher at this address",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C."""
+    if args.workers < 0:
+        print(f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.dispatcher is not None and args.workers == 0:
+        print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
+        return 2
+    cluster = start_service(
+        args.workers,
+        port=args.port,
+        worker_ports=args.worker_ports,
+        host=args.host,
+        dispatcher=args.dispatcher,
+    )
+    if cluster.target is not None:
+        print(f"dispatcher: {cluster.target}", flush=True)
+    for address in cluster.worker_addresses:
+        print(f"worker: {address}", flush=True)
+    if cluster.target is not None:
+        print(
+            f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True
+        )
+    print("serving; press Ctrl-C to stop", flush=True)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+    print("stopped", flush=True)
+    return 0

@@ -1,0 +1,956 @@
+"""keras-tuner on keras-tfr sources: batch size as a hyperparameter, trials in parallel.
+
+Two parts:
+
+* `TFRecordHyperModel`, a ready `keras_tuner.HyperModel`: the user writes only
+  ``build(hp)``. Its ``fit`` re-batches a `TFRecordSequenceSource` (train and
+  ``validation_data``) with the trial's ``batch_size`` (and optionally the shuffle's
+  memory budget) through `TFRecordSequenceSource.replace`, which reuses the manifest in
+  memory. keras-tuner's documented way, ``model.fit(..., batch_size=hp.Choice(...))``,
+  does nothing for a `tf.data.Dataset`; this makes it work. `rebatch` is the same step
+  as a function, for a ``fit`` of your own.
+* `tune` (and ``keras-tfr tune``): keras-tuner's own distributed mode on one machine. It
+  starts the user's unchanged script as a chief (``KERASTUNER_TUNER_ID=chief``, the
+  oracle, a gRPC server on ``127.0.0.1``) and N workers (``tuner0``, ``tuner1``, ...) that
+  ask it for trials, each worker's GPU memory capped through ``KERAS_TFR_GPU_MEMORY_MB``
+  (read by `keras_tfr.limit_gpu_memory`), waits, and reads the results (best
+  hyperparameters, trials completed) from the shared project directory.
+
+How keras-tuner's distributed mode behaves (keras-tuner 1.4, read from its source), and
+what the launcher does about it:
+
+* the mode is chosen by ``KERASTUNER_ORACLE_IP`` (+ ``_PORT`` and ``KERASTUNER_TUNER_ID``);
+  a tuner id containing ``"chief"`` makes ``search()`` serve the oracle and block;
+* a worker ends its ``search()`` when the oracle answers ``STOPPED`` (``max_trials``
+  reached or the space is exhausted). The chief then waits until no trial is running and
+  every worker that asked for trials has been told to stop; it checks that every 20 s,
+  which the launcher's child bootstrap shortens to 0.5 s;
+* a worker that dies in a trial leaves that trial "ongoing" for ever, and workers whose
+  chief died wait up to an hour for it (gRPC ``wait_for_ready``). So the launcher stops
+  the chief shortly after the last worker when a worker failed, and stops the workers at
+  once when the chief failed;
+* ``overwrite=True`` makes every process delete the project directory when its tuner is
+  built, so a late worker could delete trials of the others: the bootstrap keeps
+  ``overwrite`` for the chief only;
+* the oracle's state (``oracle.json``, ``trial_*/trial.json``) is saved by the chief
+  after every trial, so the launcher reads the results from those files. The objective's
+  direction is not in them; the bootstrap reports it when the chief's tuner is built.
+
+Example:
+    >>> import keras, keras_tuner
+    >>> from keras_tfr import TFRecordSequenceSource
+    >>> from keras_tfr.tuner import TFRecordHyperModel
+    >>> def build(hp):
+    ...     model = keras.Sequential([keras.layers.Dense(hp.Int("units", 8, 64)),
+    ...                               keras.layers.Dense(1)])
+    ...     model.compile("adam", "mse")
+    ...     return model
+    >>> train = TFRecordSequenceSource("data/train", shuffle=True, seed=0)
+    >>> val = TFRecordSequenceSource("data/val", shuffle=False)
+    >>> tuner = keras_tuner.RandomSearch(
+    ...     TFRecordHyperModel(build, batch_size=[64, 256, 1024]),
+    ...     objective="val_loss", max_trials=10)
+    >>> tuner.search(train, validation_data=val, epochs=5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.abc
+import importlib.machinery
+import inspect
+import json
+import logging
+import math
+import operator
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "TFRecordHyperModel",  # noqa: F822 (built on first use by the module's __getattr__)
+    "TuneResult",
+    "is_chief",
+    "is_worker",
+    "rebatch",
+    "tune",
+]
+
+log = logging.getLogger("keras_tfr")
+
+GPU_MEMORY_ENV = "KERAS_TFR_GPU_MEMORY_MB"
+_REPORT_ENV = "KERAS_TFR_TUNE_REPORT_DIR"
+_CHIEF_POLL_S = 0.5
+_KILL_GRACE_S = 5.0
+
+
+# --------------------------------------------------------------------------- roles
+
+
+def is_chief() -> bool:
+    """True in the chief process of a distributed keras-tuner search.
+
+    Code that should run once after ``search()`` (printing results, saving the best
+    model) belongs on the chief: a worker's ``tuner.get_best_models()`` asks the chief,
+    which exits once the search is over, and would wait for it for up to an hour.
+
+    Example:
+        >>> tuner.search(train, validation_data=val, epochs=5)
+        >>> if not is_worker():       # the chief, or a plain one-process run
+        ...     print(tuner.get_best_hyperparameters()[0].values)
+    """
+    return "KERASTUNER_ORACLE_IP" in os.environ and "chief" in os.environ.get(
+        "KERASTUNER_TUNER_ID", ""
+    )
+
+
+def is_worker() -> bool:
+    """True in a worker process of a distributed keras-tuner search (see `is_chief`)."""
+    return "KERASTUNER_ORACLE_IP" in os.environ and not is_chief()
+
+
+# --------------------------------------------------------------------------- re-batching
+
+
+def _is_source(data: Any) -> bool:
+    if "keras_tfr.source" not in sys.modules:
+        return False  # nothing can be a source before the module was imported
+    from keras_tfr.source import TFRecordSequenceSource
+
+    return isinstance(data, TFRecordSequenceSource)
+
+
+def _check_batch_size(value: Any, argument: str = "batch_size") -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"Expected `{argument}` to be a positive int. Received: {value!r}"
+        ) from None
+    if value < 1:
+        raise ValueError(f"Expected `{argument}` to be a positive int. Received: {value}")
+    return value
+
+
+def rebatch(
+    data: Any,
+    batch_size: int | None = None,
+    *,
+    shuffle_memory: int | str | None = None,
+) -> Any:
+    """A copy of a `TFRecordSequenceSource` with another batch size or shuffle budget.
+
+    The copy is built from the manifest already in memory (no file is read). Anything
+    that is not a source (arrays, a plain `tf.data.Dataset`, None) is returned as is.
+
+    Args:
+        data: a `TFRecordSequenceSource` or anything else ``model.fit`` takes.
+        batch_size: the new batch size, or None to keep it.
+        shuffle_memory: the new shuffle memory budget (``"64MB"`` or bytes), or None.
+
+    Returns:
+        The re-batched source, ``data`` itself when nothing changes or it is not a source.
+
+    Example:
+        >>> def fit(self, hp, model, x, *args, **kwargs):
+        ...     x = rebatch(x, hp.Choice("batch_size", [32, 128]))
+        ...     return model.fit(x, *args, **kwargs)
+    """
+    if batch_size is not None:
+        batch_size = _check_batch_size(batch_size)
+    if shuffle_memory is not None:
+        from keras_tfr.manifest import parse_size
+
+        parse_size(shuffle_memory, argument="shuffle_memory")
+    if not _is_source(data):
+        return data
+    changes: dict[str, Any] = {}
+    if batch_size is not None and batch_size != data.batch_size:
+        changes["batch_size"] = batch_size
+    if shuffle_memory is not None and shuffle_memory != data._config["shuffle_memory"]:
+        changes["shuffle_memory"] = shuffle_memory
+    return data.replace(**changes) if changes else data
+
+
+# --------------------------------------------------------------------------- HyperModel
+
+_HP_BATCH = "batch_size"
+_HP_SHUFFLE = "shuffle_memory"
+
+
+def _check_choices(value: Any, argument: str, check_one: Callable[[Any], Any]) -> Any:
+    """None, a fixed value, a callable ``hp -> value`` or a non-empty list of choices."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"Expected `{argument}` to list at least one value. Received: []")
+        for v in value:
+            check_one(v)
+        if len({type(v) for v in value}) > 1:
+            raise TypeError(
+                f"Expected the values of `{argument}` to have one type (keras-tuner's "
+                f"`hp.Choice` needs it). Received: {value!r}"
+            )
+        return list(value)
+    check_one(value)
+    return value
+
+
+def _check_shuffle_memory(value: Any) -> Any:
+    from keras_tfr.manifest import parse_size
+
+    parse_size(value, argument="shuffle_memory")
+    return value
+
+
+def _resolve(hp: Any, name: str, spec: Any) -> Any:
+    if spec is None:
+        return hp.values.get(name) if hasattr(hp, "values") else None
+    if callable(spec):
+        return spec(hp)
+    if isinstance(spec, list):
+        return hp.Choice(name, spec)
+    return spec
+
+
+class _HyperModelMixin:
+    """The part of `TFRecordHyperModel` that does not need keras-tuner at import time."""
+
+    def _init_tfr(self, build: Callable | None, batch_size: Any, shuffle_memory: Any) -> None:
+        if build is not None and not callable(build):
+            raise TypeError(
+                f"Expected `build` to be a callable `build(hp) -> keras.Model`. Received: {build!r}"
+            )
+        self._build_fn = build
+        self.batch_size = _check_choices(batch_size, "batch_size", _check_batch_size)
+        self.shuffle_memory = _check_choices(
+            shuffle_memory, "shuffle_memory", _check_shuffle_memory
+        )
+
+    def build(self, hp: Any) -> Any:
+        """Builds the model for ``hp``: override it, or pass ``build`` to the constructor."""
+        if self._build_fn is None:
+            raise NotImplementedError(
+                "TFRecordHyperModel needs a model: override `build(self, hp)` or pass "
+                "`build=` to the constructor."
+            )
+        return self._build_fn(hp)
+
+    def declare_hyperparameters(self, hp: Any) -> None:
+        # Declared before the first build, so every tuner (GridSearch included) sees
+        # them in its search space from the first trial on.
+        for name, spec in ((_HP_BATCH, self.batch_size), (_HP_SHUFFLE, self.shuffle_memory)):
+            if isinstance(spec, list):
+                hp.Choice(name, spec)
+            elif callable(spec):
+                spec(hp)
+
+    def fit(
+        self,
+        hp: Any,
+        model: Any,
+        x: Any = None,
+        *args: Any,
+        validation_data: Any = None,
+        batch_size: int | None = None,
+        validation_batch_size: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Trains ``model`` on ``x`` re-batched with the trial's values.
+
+        The batch size is, in this order: ``batch_size`` given here (e.g. by a subclass's
+        ``super().fit(..., batch_size=hp.Choice(...))``), the constructor's
+        ``batch_size``, a ``"batch_size"`` hyperparameter declared in ``build``, or the
+        source's own. ``validation_data`` that is a source gets ``validation_batch_size``
+        or else the same batch size, as ``model.fit`` does for arrays. Arrays and other
+        data are passed to ``model.fit`` with ``batch_size`` unchanged.
+
+        Returns:
+            The `History` of ``model.fit``.
+        """
+        if batch_size is None:
+            batch_size = _resolve(hp, _HP_BATCH, self.batch_size)
+        shuffle_memory = _resolve(hp, _HP_SHUFFLE, self.shuffle_memory)
+        if _is_source(x):
+            x = rebatch(x, batch_size, shuffle_memory=shuffle_memory)
+            # The source shuffles itself; Keras' default shuffle=True would only warn.
+            kwargs.setdefault("shuffle", False)
+        elif batch_size is not None:
+            kwargs["batch_size"] = _check_batch_size(batch_size)
+        if _is_source(validation_data):
+            validation_data = rebatch(validation_data, validation_batch_size or batch_size)
+        elif validation_batch_size is not None:
+            kwargs["validation_batch_size"] = validation_batch_size
+        history = model.fit(x, *args, validation_data=validation_data, **kwargs)
+        # Drop this trial's pipelines now rather than with the next trial's model; the
+        # tuner itself clears the Keras session before each build.
+        del x, validation_data
+        return history
+
+
+_HYPERMODEL_CLASS: type | None = None
+
+
+def _hypermodel_class() -> type:
+    """Builds `TFRecordHyperModel` on first use, so importing this module stays light."""
+    global _HYPERMODEL_CLASS
+    if _HYPERMODEL_CLASS is not None:
+        return _HYPERMODEL_CLASS
+    import keras_tuner
+
+    class TFRecordHyperModel(_HyperModelMixin, keras_tuner.HyperModel):
+        """A `keras_tuner.HyperModel` that tunes the batch size of keras-tfr sources.
+
+        Write only ``build(hp)`` (subclass, or pass the function). ``fit`` re-batches a
+        `TFRecordSequenceSource` given to ``tuner.search`` (and its ``validation_data``)
+        with the trial's batch size and shuffle memory budget; the copies reuse the
+        manifest in memory and are dropped after the trial. With arrays it passes the
+        batch size to ``model.fit`` instead.
+
+        Args:
+            build: ``build(hp) -> keras.Model``, when not subclassing.
+            batch_size: a list of choices (the hyperparameter ``"batch_size"``, declared
+                before the first trial so every tuner sees it), a fixed int, a function
+                ``hp -> int`` (e.g. ``lambda hp: hp.Int("batch_size", 32, 512,
+                sampling="log")``) or None (a ``"batch_size"`` declared in ``build``, or
+                the source's own).
+            shuffle_memory: the same for the shuffle's memory budget (``"64MB"`` or
+                bytes; the hyperparameter ``"shuffle_memory"``).
+            name: the hypermodel's name.
+            tunable: as for `keras_tuner.HyperModel`.
+
+        Example:
+            >>> class MyHyperModel(TFRecordHyperModel):
+            ...     def build(self, hp):
+            ...         model = keras.Sequential([keras.layers.Dense(hp.Int("units", 8, 64)),
+            ...                                   keras.layers.Dense(1)])
+            ...         model.compile("adam", "mse")
+            ...         return model
+            >>> tuner = keras_tuner.Hyperband(MyHyperModel(batch_size=[32, 128, 512]),
+            ...                               objective="val_loss", max_epochs=8)
+            >>> tuner.search(train_source, validation_data=val_source)
+        """
+
+        def __init__(
+            self,
+            build: Callable | None = None,
+            *,
+            batch_size: int | Sequence[int] | Callable | None = None,
+            shuffle_memory: int | str | Sequence[int | str] | Callable | None = None,
+            name: str | None = None,
+            tunable: bool = True,
+        ):
+            self._init_tfr(build, batch_size, shuffle_memory)
+            keras_tuner.HyperModel.__init__(self, name=name, tunable=tunable)
+
+    TFRecordHyperModel.__module__ = __name__
+    TFRecordHyperModel.__qualname__ = "TFRecordHyperModel"
+    _HYPERMODEL_CLASS = TFRecordHyperModel
+    return TFRecordHyperModel
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TFRecordHyperModel":
+        cls = _hypermodel_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """What a distributed search left behind.
+
+    Attributes:
+        returncode: 0 when every process ended well and at least one trial completed,
+            else 1.
+        project_dir: the tuner's shared project directory (None if no tuner was built).
+        objective: the objective's name; ``direction`` is ``"min"`` or ``"max"``.
+        best_hyperparameters: the best completed trial's values (None without one).
+        best_score: its objective value.
+        trials: per trial ``{"trial_id", "status", "score", "hyperparameters"}``,
+            in trial id order.
+        returncodes: exit status per process (``"chief"``, ``"tuner0"``, ...).
+        errors: what went wrong, one line each.
+        log_dir: the processes' output, ``<tuner id>.log`` each.
+    """
+
+    returncode: int
+    project_dir: str | None
+    objective: str | None
+    direction: str | None
+    best_hyperparameters: dict[str, Any] | None
+    best_score: float | None
+    trials: list[dict[str, Any]]
+    returncodes: dict[str, int | None]
+    errors: list[str]
+    log_dir: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def trials_completed(self) -> int:
+        return sum(t["status"] == "COMPLETED" for t in self.trials)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "trials_completed": self.trials_completed}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Child:
+    """One process of the search, its output copied to a log file (and our stdout)."""
+
+    def __init__(
+        self,
+        tuner_id: str,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log_path: str,
+        echo: bool,
+    ):
+        self.tuner_id = tuner_id
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by the reader thread)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole
+        )
+        self._thread = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, echo: bool) -> None:
+        prefix = f"[{self.tuner_id}] ".encode()
+        assert self.proc.stdout is not None
+        try:
+            for line in iter(self.proc.stdout.readline, b""):
+                self._log.write(line)
+                self._log.flush()
+                if echo:
+                    out = getattr(sys.stdout, "buffer", None)
+                    if out is not None:
+                        out.write(prefix + line)
+                        out.flush()
+                    else:
+                        sys.stdout.write((prefix + line).decode(errors="replace"))
+        finally:
+            self._log.close()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL after a grace period."""
+        if self.proc.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._signal(getattr(signal, "SIGKILL", signal.SIGTERM))
+            self.proc.wait()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            if hasattr(os, "killpg"):
+                os.killpg(self.proc.pid, sig)
+            else:  # pragma: no cover (Windows)
+                self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def finish(self) -> None:
+        self._thread.join(timeout=10)
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read()[-4000:].decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def tune(
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    *,
+    workers: int = 2,
+    gpu_memory_mb: int | None = None,
+    gpus: Sequence[str] | None = None,
+    port: int | None = None,
+    timeout: float | None = None,
+    worker_grace: float = 30.0,
+    log_dir: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    verbose: bool = True,
+) -> TuneResult:
+    """Runs a keras-tuner script as a chief and ``workers`` workers on this machine.
+
+    The script is a plain keras-tuner script (build a tuner, call ``search``); it runs
+    unchanged in every process, and keras-tuner's distributed mode, chosen by the
+    environment this function sets, shares out the trials: the chief holds the oracle
+    and serves it on ``127.0.0.1:port``, each worker asks it for a trial, runs it and
+    reports back. All processes share the working directory, hence the tuner's project
+    directory.
+
+    Each worker gets ``KERAS_TFR_GPU_MEMORY_MB=gpu_memory_mb`` (`limit_gpu_memory`
+    reads it; the CUDA context comes on top of the cap) and, with ``gpus``, one GPU of
+    the list in turn through ``CUDA_VISIBLE_DEVICES``. The chief only runs the oracle
+    and builds each model once to learn the search space, so it sees no GPU
+    (``CUDA_VISIBLE_DEVICES=""``) and takes no GPU memory.
+
+    Args:
+        script: the Python script to run.
+        script_args: its command-line arguments.
+        workers: worker processes (trials run at once).
+        gpu_memory_mb: GPU memory cap per worker in MB, or None for no cap.
+        gpus: GPU ids handed out to the workers round-robin, or None to leave
+            ``CUDA_VISIBLE_DEVICES`` as it is.
+        port: the oracle's port on 127.0.0.1; a free one by default.
+        timeout: seconds for the whole search; then every process is stopped.
+        worker_grace: seconds a worker may still run after the chief ended well (code
+            after ``search()`` on a worker that asks the finished chief would wait for an
+            hour); then it is stopped, with a warning.
+        log_dir: where ``chief.log``, ``tuner0.log``, ... go (a new temporary
+            directory by default).
+        cwd: working directory of the processes (default: the current one).
+        env: extra environment variables for every process.
+        verbose: copy the processes' output to stdout, each line prefixed with
+            ``[tuner id]``.
+
+    Returns:
+        A `TuneResult`: ``returncode`` 0 when all went well, the best hyperparameters,
+        the trials and where the logs are.
+
+    Example:
+        >>> result = tune("search.py", workers=4, gpu_memory_mb=2048, timeout=3600)
+        >>> result.ok, result.trials_completed, result.best_hyperparameters
+        (True, 20, {'units': 64, 'batch_size': 256})
+    """
+    script = os.fspath(script)
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"Expected `script` to be a Python file. Received: {script!r}")
+    workers = _check_batch_size(workers, "workers")
+    if gpu_memory_mb is not None:
+        gpu_memory_mb = _check_batch_size(gpu_memory_mb, "gpu_memory_mb")
+    if gpus is not None:
+        gpus = [str(g).strip() for g in gpus]
+        if not gpus or not all(gpus):
+            raise ValueError(f"Expected `gpus` to list GPU ids like ['0', '1']. Received: {gpus!r}")
+    if port is None:
+        port = _free_port()
+    elif not (isinstance(port, int) and 0 < port < 65536):
+        raise ValueError(f"Expected `port` to be a TCP port (1-65535). Received: {port!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"Expected `timeout` to be positive seconds. Received: {timeout!r}")
+    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+    log_dir = os.fspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="keras-tfr-tune-")
+    os.makedirs(log_dir, exist_ok=True)
+    report_dir = tempfile.mkdtemp(prefix="keras-tfr-tune-report-")
+
+    base_env = {**os.environ, **(env or {})}
+    base_env.update(
+        KERASTUNER_ORACLE_IP="127.0.0.1",
+        KERASTUNER_ORACLE_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+        **{_REPORT_ENV: report_dir},
+    )
+    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    argv = [
+        sys.executable,
+        "-c",
+        "from keras_tfr.tuner import _child_main; _child_main()",
+        os.path.abspath(script),
+        *map(str, script_args),
+    ]
+    ids = ["chief"] + [f"tuner{i}" for i in range(workers)]
+    children: dict[str, _Child] = {}
+    errors: list[str] = []
+    stopped_after_search: list[str] = []
+    start = time.monotonic()
+    try:
+        for i, tuner_id in enumerate(ids):
+            child_env = {**base_env, "KERASTUNER_TUNER_ID": tuner_id}
+            if tuner_id == "chief":
+                child_env["CUDA_VISIBLE_DEVICES"] = ""
+                child_env.pop(GPU_MEMORY_ENV, None)
+            else:
+                if gpu_memory_mb is not None:
+                    child_env[GPU_MEMORY_ENV] = str(gpu_memory_mb)
+                if gpus is not None:
+                    child_env["CUDA_VISIBLE_DEVICES"] = gpus[(i - 1) % len(gpus)]
+            children[tuner_id] = _Child(
+                tuner_id, argv, child_env, cwd, os.path.join(log_dir, f"{tuner_id}.log"), verbose
+            )
+        log.info(
+            "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%d, logs in %s",
+            workers,
+            port,
+            log_dir,
+        )
+        supervise_errors, stopped_after_search = _supervise(children, start, timeout, worker_grace)
+        errors += supervise_errors
+    finally:
+        for child in children.values():
+            child.stop()
+        for child in children.values():
+            child.finish()
+
+    returncodes = {k: c.poll() for k, c in children.items()}
+    for tuner_id, rc in returncodes.items():
+        if tuner_id in stopped_after_search:
+            continue  # the search was over; warned about in `_supervise`
+        if rc not in (0, None) and not any(e.startswith(f"{tuner_id} ") for e in errors):
+            errors.append(f"{tuner_id} exited with status {rc}")
+    result = _collect(report_dir, returncodes, errors, log_dir)
+    for tuner_id, child in children.items():
+        if returncodes[tuner_id] not in (0, None) and not verbose:
+            tail = child.tail()
+            if tail:
+                log.warning("keras-tfr tune: last lines of %s:\n%s", child.log_path, tail)
+    _remove_tree(report_dir)
+    return result
+
+
+def _supervise(
+    children: dict[str, _Child], start: float, timeout: float | None, worker_grace: float
+) -> tuple[list[str], list[str]]:
+    """Waits for the search to end; stops what would hang.
+
+    Returns:
+        The errors, and the workers stopped because they outlived a finished search.
+    """
+    chief = children["chief"]
+    workers = {k: c for k, c in children.items() if k != "chief"}
+    chief_done_at: float | None = None
+    workers_done_at: float | None = None
+    while True:
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            running = [k for k, c in children.items() if c.poll() is None]
+            return [f"timed out after {timeout:g} s; stopped {', '.join(running)}"], []
+        chief_rc = chief.poll()
+        worker_rcs = {k: c.poll() for k, c in workers.items()}
+        if chief_rc is not None and chief_rc != 0:
+            # Workers would wait up to an hour for a chief that is gone.
+            running = [k for k, rc in worker_rcs.items() if rc is None]
+            if running:
+                log.warning("keras-tfr tune: the chief failed; stopping %s", ", ".join(running))
+            return [f"chief exited with status {chief_rc}"], []
+        if all(rc is not None for rc in worker_rcs.values()):
+            failed = {k: rc for k, rc in worker_rcs.items() if rc != 0}
+            if chief_rc is not None:
+                return [], []
+            if failed:
+                # A worker that died in a trial leaves it "ongoing": the chief would wait
+                # for it for ever. Give it a moment, then stop it.
+                workers_done_at = workers_done_at or now
+                if now - workers_done_at > _KILL_GRACE_S:
+                    log.warning("keras-tfr tune: a worker failed; stopping the chief")
+                    return [], []
+        if chief_rc == 0:
+            chief_done_at = chief_done_at or now
+            running = [k for k, rc in worker_rcs.items() if rc is None]
+            if running and now - chief_done_at > worker_grace:
+                log.warning(
+                    "keras-tfr tune: %s still running %g s after the search ended; stopping "
+                    "it. Code after search() that asks the tuner (get_best_models, "
+                    "results_summary) should run only where keras_tfr.tuner.is_worker() "
+                    "is False.",
+                    ", ".join(running),
+                    worker_grace,
+                )
+                for k in running:
+                    workers[k].stop()
+                return [], running
+        time.sleep(0.2)
+
+
+def _collect(
+    report_dir: str, returncodes: dict[str, int | None], errors: list[str], log_dir: str
+) -> TuneResult:
+    reports = {}
+    for path in sorted(glob.glob(os.path.join(report_dir, "*.json"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                reports[os.path.basename(path)[:-5]] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    report = reports.get("chief") or next(iter(reports.values()), None)
+    project_dir = objective = direction = None
+    trials: list[dict[str, Any]] = []
+    if report is None:
+        errors.append(
+            "no keras-tuner tuner was built: the script must build a tuner and call "
+            "search() (see the logs)"
+        )
+    else:
+        project_dir = report["project_dir"]
+        objective = report.get("objective")
+        direction = report.get("direction")
+        trials = _read_trials(project_dir)
+    completed = [t for t in trials if t["status"] == "COMPLETED" and t["score"] is not None]
+    best = None
+    if completed:
+        sign = -1.0 if direction == "max" else 1.0
+        best = min(completed, key=lambda t: sign * t["score"])
+    elif report is not None:
+        errors.append(f"no trial completed in {project_dir}")
+    returncode = 1 if errors else 0
+    return TuneResult(
+        returncode=returncode,
+        project_dir=project_dir,
+        objective=objective,
+        direction=direction,
+        best_hyperparameters=None if best is None else best["hyperparameters"],
+        best_score=None if best is None else best["score"],
+        trials=trials,
+        returncodes=returncodes,
+        errors=errors,
+        log_dir=log_dir,
+    )
+
+
+def _read_trials(project_dir: str) -> list[dict[str, Any]]:
+    trials = []
+    for path in glob.glob(os.path.join(glob.escape(project_dir), "trial_*", "trial.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            log.warning("keras-tfr tune: cannot read %s: %s", path, e)
+            continue
+        score = state.get("score")
+        trials.append(
+            {
+                "trial_id": state.get("trial_id"),
+                "status": state.get("status"),
+                "score": None if score is None or not math.isfinite(score) else float(score),
+                "hyperparameters": dict(state.get("hyperparameters", {}).get("values", {})),
+            }
+        )
+    return sorted(trials, key=lambda t: str(t["trial_id"]))
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- child side
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs a function on a module right after it is imported (by the user's script).
+
+    keras-tuner is not imported up front: the script may choose the Keras backend
+    (``KERAS_BACKEND``) before it imports Keras.
+    """
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]):
+        self._patches = patches
+
+    def find_spec(self, name, path, target=None):
+        patch = self._patches.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        original_exec = loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            try:
+                patch(module)
+            except Exception as e:  # keep the search running on another keras-tuner
+                log.warning("keras-tfr tune: could not hook keras-tuner (%s): %s", name, e)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _write_report(tuner: Any) -> None:
+    report_dir = os.environ.get(_REPORT_ENV)
+    if not report_dir:
+        return
+    oracle = getattr(tuner, "oracle", None)
+    objective = getattr(oracle, "objective", None)
+    if objective is None and oracle is not None and hasattr(oracle, "_oracle"):
+        objective = getattr(oracle._oracle, "objective", None)
+    report = {
+        "tuner_id": os.environ.get("KERASTUNER_TUNER_ID"),
+        "pid": os.getpid(),
+        "project_dir": os.path.abspath(tuner.project_dir),
+        "objective": getattr(objective, "name", None),
+        "direction": getattr(objective, "direction", None),
+    }
+    path = os.path.join(report_dir, f"{report['tuner_id']}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+def _patch_base_tuner(module: Any) -> None:
+    cls = module.BaseTuner
+    original_init = cls.__init__
+    signature = inspect.signature(original_init)
+
+    def __init__(self, *args, **kwargs):
+        if is_worker():
+            # Only the chief may start the project afresh: a worker built later would
+            # delete the trials the others are running.
+            bound = signature.bind_partial(self, *args, **kwargs)
+            if bound.arguments.get("overwrite"):
+                bound.arguments["overwrite"] = False
+                args, kwargs = bound.args[1:], bound.kwargs
+        original_init(self, *args, **kwargs)
+        _write_report(self)
+
+    __init__.__wrapped__ = original_init
+    cls.__init__ = __init__
+
+
+class _ShortSleep:
+    """`time` for keras-tuner's chief loop, whose 20 s waits delay the end of a search."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(min(seconds, _CHIEF_POLL_S))
+
+
+def _patch_oracle_chief(module: Any) -> None:
+    if getattr(module, "time", None) is time:
+        module.time = _ShortSleep()
+
+
+def _child_main() -> None:
+    """Entry point of each process started by `tune`: runs the user's script."""
+    import runpy
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: _child_main SCRIPT [ARGS...]")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.meta_path.insert(
+        0,
+        _PatchAfterImport(
+            {
+                "keras_tuner.src.engine.base_tuner": _patch_base_tuner,
+                "keras_tuner.src.distribute.oracle_chief": _patch_oracle_chief,
+            }
+        ),
+    )
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", help="a keras-tuner script (builds a tuner, calls search)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="worker processes, i.e. trials at once (2)"
+    )
+    parser.add_argument(
+        "--gpu-memory-mb",
+        type=int,
+        default=None,
+        help="cap each worker's GPU memory (MB; the CUDA context comes on top)",
+    )
+    parser.add_argument(
+        "--gpus", default=None, help="comma-separated GPU ids handed to the workers in turn"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="the oracle's port on 127.0.0.1 (a free one)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="stop everything after this many seconds"
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="where each process's log goes (a temporary directory)"
+    )
+    parser.add_argument(
+        "--results", default=None, metavar="PATH", help="also write the results as JSON here"
+    )
+    parser.add_argument("--quiet", action="store_true", help="do not echo the processes' output")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    try:
+        result = tune(
+            args.script,
+            args.script_args,
+            workers=args.workers,
+            gpu_memory_mb=args.gpu_memory_mb,
+            gpus=None if args.gpus is None else args.gpus.split(","),
+            port=args.port,
+            timeout=args.timeout,
+            log_dir=args.log_dir,
+            verbose=not args.quiet,
+        )
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"keras-tfr tune: error: {e}", file=sys.stderr)
+        return 2
+    counts: dict[str, int] = {}
+    for t in result.trials:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    log.info(
+        "keras-tfr tune: %d trial(s): %s; project %s",
+        len(result.trials),
+        ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())) or "none",
+        result.project_dir,
+    )
+    if result.best_hyperparameters is not None:
+        log.info(
+            "keras-tfr tune: best %s = %.6g with %s",
+            result.objective or "score",
+            result.best_score,
+            json.dumps(result.best_hyperparameters, sort_keys=True),
+        )
+    for e in result.errors:
+        log.error("keras-tfr tune: %s", e)
+    if not result.ok:
+        log.error("keras-tfr tune: failed; logs in %s", result.log_dir)
+    if args.results:
+        with open(args.results, "w", encoding="utf-8") as f:
+            json.dump(result.to_json(), f, indent=2, sort_keys=True)
+    return result.returncode

@@ -1,0 +1,133 @@
+"""The real `keras-tfr` entry point, run in subprocesses: help, exit codes, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
+EXE = os.path.join(os.path.dirname(sys.executable), "keras-tfr")
+
+
+def run(*args, timeout=240):
+    cmd = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "keras_tfr.cli"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("command", ["convert", "info", "verify", "bench", "convert-tfrecords"])
+def test_help_of_each_subcommand(command):
+    r = run(command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: keras-tfr " + command in r.stdout and len(r.stdout) > 300
+
+
+def test_no_command_is_bad_usage():
+    r = run()
+    assert r.returncode == 2 and "COMMAND" in r.stdout
+
+
+def test_info_does_not_import_tensorflow(make_dataset, small_xy):
+    d = make_dataset(*small_xy)
+    code = (
+        "import sys; from keras_tfr.cli import main; rc = main(['info', sys.argv[1]]); "
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'; sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "samples     34" in r.stdout and "shard-00000.tfrecord" in r.stdout
+
+
+def test_convert_info_verify_bench(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 4, 2)).astype(np.float32)
+    y = np.arange(300, dtype=np.int64)
+    np.save(tmp_path / "x.npy", x)
+    y.tofile(tmp_path / "y.bin")  # a raw memmap
+    d = str(tmp_path / "ds")
+    r = run("convert", d, "--x", str(tmp_path / "x.npy"), "--y", f"{tmp_path}/y.bin:int64",
+            "--record-size", "1KB", "--quiet")
+    assert r.returncode == 0, r.stderr
+    from keras_tfr import TFRecordSequenceSource
+
+    xb, yb = next(iter(TFRecordSequenceSource(d, batch_size=300, shuffle=False)))
+    assert xb.numpy().tobytes() == x.tobytes() and np.array_equal(yb.numpy(), y)
+
+    r = run("info", d, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["total_samples"] == 300
+    r = run("verify", d, "--quiet")
+    assert r.returncode == 0 and r.stdout.startswith("OK")
+    r = run("bench", d, "--batch-size", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["samples"] == 300
+
+    # Damage one shard: verify exits 1 and names it.
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".tfrecord"))[1]
+    with open(os.path.join(d, shard), "r+b") as f:
+        f.seek(30)
+        f.write(b"\xff\xff\xff")
+    r = run("verify", d, "--quiet")
+    assert r.returncode == 1 and shard in r.stdout
+
+
+def test_convert_hdf5_and_npz(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["g/x"] = x
+    np.savez(tmp_path / "y.npz", labels=np.arange(20))
+    d = str(tmp_path / "ds")
+    r = run("convert", d, "--x", f"{tmp_path}/d.h5:g/x", "--y", f"{tmp_path}/y.npz:labels",
+            "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run("info", d)
+    assert "x" in r.stdout and "samples     20" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "{tmp}/out", "--x", "{tmp}/missing.npy"],
+        ["convert", "{tmp}/out", "--x", "{tmp}/raw.bin"],  # raw without dtype
+        ["info", "{tmp}/nothing"],
+        ["verify", "{tmp}/nothing"],
+        ["bench", "{tmp}/nothing"],
+        ["convert-tfrecords", "{tmp}/none-*.tfrecord", "{tmp}/out"],
+        ["info"],
+    ],
+)
+def test_bad_input_exits_2_with_a_message(tmp_path, args):
+    (tmp_path / "raw.bin").write_bytes(b"\0" * 16)
+    r = run(*[a.format(tmp=tmp_path) for a in args])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "error" in r.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_convert_tfrecords_command(tmp_path):
+    import tensorflow as tf
+
+    os.makedirs(tmp_path / "old")
+    images = np.random.default_rng(0).standard_normal((10, 3, 3)).astype(np.float32)
+    with tf.io.TFRecordWriter(str(tmp_path / "old" / "a.tfrecord")) as w:
+        for i, im in enumerate(images):
+            f = {
+                "image": tf.train.Feature(
+                    bytes_list=tf.train.BytesList(value=[tf.io.serialize_tensor(im).numpy()])
+                ),
+                "label": tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)])),
+            }
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+    d = str(tmp_path / "new")
+    r = run("convert-tfrecords", str(tmp_path / "old" / "*.tfrecord"), d, "--y", "label",
+            "--feature", "image=tensor:float32:3,3", "--feature", "label=float32", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "wrote 10 samples" in r.stdout
+    r = run("verify", d, "--quiet")
+    assert r.returncode == 0

@@ -1,0 +1,309 @@
+"""`keras-tfr parallel` / `keras_tfr.parallel.launch` with small CPU jobs (no TensorFlow)."""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from keras_tfr import cli
+from keras_tfr.parallel import launch
+
+pytestmark = pytest.mark.subprocess
+
+PY = sys.executable
+
+
+def _py(code: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def _lines_by_child(text: str) -> dict[int, list[str]]:
+    by_child: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\[(\d+)\] (.*)", line)
+        assert m, f"line without a prefix: {line!r}"
+        by_child.setdefault(int(m.group(1)), []).append(m.group(2))
+    return by_child
+
+
+_PRINTER = """
+import sys
+i, n = int(sys.argv[1]), int(sys.argv[2])
+for k in range(5):
+    print(f"line {k} of child {i}/{n}")
+print("on stderr", i, file=sys.stderr)
+"""
+
+
+def test_all_succeed_prefixes_and_substitution():
+    out = io.StringIO()
+    code = launch(
+        [*_py(_PRINTER), "{i}", "{n}"],
+        3,
+        output=out,
+    )
+    assert code == 0
+    by_child = _lines_by_child(out.getvalue())
+    assert sorted(by_child) == [0, 1, 2]
+    for i, lines in by_child.items():
+        # Each child's lines arrive whole and in its own order, stderr included.
+        assert [x for x in lines if x.startswith("line")] == [
+            f"line {k} of child {i}/3" for k in range(5)
+        ]
+        assert f"on stderr {i}" in lines
+        assert len(lines) == 6
+
+
+def test_exit_code_is_one_when_any_child_fails():
+    out = io.StringIO()
+    code = launch(
+        [*_py("import sys; print('x'); sys.exit(5 if sys.argv[1] == '1' else 0)"), "{i}"],
+        3,
+        output=out,
+    )
+    assert code == 1
+    assert sorted(_lines_by_child(out.getvalue())) == [0, 1, 2]
+
+
+def test_last_line_without_newline_and_bytes_that_are_not_utf8():
+    out = io.StringIO()
+    code = launch(
+        _py("import sys; sys.stdout.buffer.write(b'a\\xffb\\nno newline'); sys.stdout.flush()"),
+        1,
+        output=out,
+    )
+    assert code == 0
+    assert out.getvalue() == "[0] a\ufffdb\n[0] no newline\n"
+
+
+def test_environment_of_each_child():
+    out = io.StringIO()
+    show = _py(
+        """
+        import os
+        keys = ["KERAS_TFR_PARALLEL_INDEX", "KERAS_TFR_PARALLEL_COUNT",
+                "KERAS_TFR_GPU_MEMORY_MB", "KERAS_TFR_GPU_MEMORY_FRACTION", "EXTRA"]
+        print(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
+        """
+    )
+    os.environ["KERAS_TFR_GPU_MEMORY_FRACTION"] = "0.9"  # the launcher's own: replaced
+    try:
+        assert launch(show, 2, gpu_memory_mb=1536, env={"EXTRA": "yes"}, output=out) == 0
+    finally:
+        del os.environ["KERAS_TFR_GPU_MEMORY_FRACTION"]
+    by_child = _lines_by_child(out.getvalue())
+    for i in (0, 1):
+        assert by_child[i] == [
+            f"KERAS_TFR_PARALLEL_INDEX={i} KERAS_TFR_PARALLEL_COUNT=2 "
+            "KERAS_TFR_GPU_MEMORY_MB=1536 KERAS_TFR_GPU_MEMORY_FRACTION=None EXTRA=yes"
+        ]
+    out = io.StringIO()
+    assert launch(show, 1, gpu_memory_fraction=0.25, output=out) == 0
+    assert "KERAS_TFR_GPU_MEMORY_MB=None KERAS_TFR_GPU_MEMORY_FRACTION=0.25" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"command": [], "n": 2}, ValueError, "command"),
+        ({"command": "python x.py", "n": 2}, ValueError, "command"),
+        ({"command": [PY, 3], "n": 2}, TypeError, "strings"),
+        ({"command": [PY], "n": 0}, ValueError, "`n`"),
+        ({"command": [PY], "n": True}, ValueError, "`n`"),
+        ({"command": [PY], "n": 1, "gpu_memory_mb": 0}, ValueError, "gpu_memory_mb"),
+        ({"command": [PY], "n": 1, "gpu_memory_mb": 1.5}, TypeError, "gpu_memory_mb"),
+        ({"command": [PY], "n": 1, "gpu_memory_fraction": 1.5}, ValueError, "fraction"),
+        (
+            {"command": [PY], "n": 1, "gpu_memory_mb": 10, "gpu_memory_fraction": 0.5},
+            ValueError,
+            "only one",
+        ),
+        ({"command": [PY], "n": 1, "grace_period": -1}, ValueError, "grace_period"),
+    ],
+)
+def test_argument_checking(kwargs, error, match):
+    command = kwargs.pop("command")
+    n = kwargs.pop("n")
+    with pytest.raises(error, match=match):
+        launch(command, n, **kwargs)
+
+
+def test_missing_program_raises_and_leaves_nothing_running(tmp_path):
+    # Child 0's program exists and would run for a minute; child 1's does not exist.
+    program = tmp_path / "prog-0"
+    program.write_text(f"#!{PY}\nimport time\ntime.sleep(60)\n")
+    program.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError):
+        launch([str(tmp_path / "prog-{i}")], 2, grace_period=20, output=io.StringIO())
+    assert time.monotonic() - start < 20  # child 0 stopped at SIGTERM, not killed later
+    still_running = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                if str(program).encode() in f.read():
+                    still_running.append(cmdline)
+        except OSError:
+            pass
+    assert still_running == []
+
+
+def test_fail_fast_stops_the_others(caplog):
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="keras_tfr.parallel"):
+        code = launch(
+            [*_py("import sys, time\nif sys.argv[1] == '0': sys.exit(4)\ntime.sleep(60)"), "{i}"],
+            3,
+            fail_fast=True,
+            grace_period=30,
+            output=io.StringIO(),
+        )
+    assert code == 1
+    assert time.monotonic() - start < 30  # the sleepers were stopped, not waited for
+    messages = [r.getMessage() for r in caplog.records]
+    assert "keras-tfr parallel: [0] exited with code 4" in messages
+    assert "keras-tfr parallel: [1] was stopped by SIGTERM" in messages
+    assert "keras-tfr parallel: [2] was stopped by SIGTERM" in messages
+
+
+def test_without_fail_fast_the_others_finish(caplog):
+    with caplog.at_level(logging.INFO, logger="keras_tfr.parallel"):
+        code = launch(
+            [*_py("import sys, time\nif sys.argv[1] == '0': sys.exit(4)\ntime.sleep(1)"), "{i}"],
+            2,
+            output=io.StringIO(),
+        )
+    assert code == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert "keras-tfr parallel: [0] exited with code 4" in messages
+    assert not any(m.startswith("keras-tfr parallel: [1]") for m in messages)  # it succeeded
+
+
+# -- signals: the launcher runs in its own process, as from a terminal -------------------
+
+_CHILD = """
+import os, signal, sys, time, pathlib
+here = pathlib.Path(sys.argv[1])
+if sys.argv[3] == "ignore":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+(here / f"pid-{sys.argv[2]}").write_text(str(os.getpid()))
+print("ready", flush=True)
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def _start_launcher(tmp_path, n, behaviour="normal", grace="10"):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    cmd = [PY, "-m", "keras_tfr.cli", "parallel", "-n", str(n), "--grace-period", grace, "--"]
+    cmd += [PY, str(script), str(tmp_path), "{i}", behaviour]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*"))) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "children did not start"
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid-{i}").read_text()) for i in range(n)]
+    return proc, pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_every_child(tmp_path):
+    proc, pids = _start_launcher(tmp_path, 3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    by_child = _lines_by_child(out)
+    for i in range(3):
+        # Each child got the SIGINT itself (KeyboardInterrupt), so it could clean up.
+        assert by_child[i] == ["ready", "interrupted"]
+        assert f"[{i}] exited with code 3" in err
+    assert "SIGINT received" in err
+    assert not any(_alive(p) for p in pids)
+
+
+def test_sigterm_stops_every_child(tmp_path):
+    proc, pids = _start_launcher(tmp_path, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert "[0] was stopped by SIGTERM" in err and "[1] was stopped by SIGTERM" in err
+    assert not any(_alive(p) for p in pids)
+
+
+def test_children_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_path):
+    proc, pids = _start_launcher(tmp_path, 2, behaviour="ignore", grace="0.5")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert time.monotonic() - start < 30
+    assert "did not stop; killing it" in err
+    assert "[0] was stopped by SIGKILL" in err
+    assert not any(_alive(p) for p in pids)
+
+
+# -- the subcommand ----------------------------------------------------------------------
+
+
+def test_cli_runs_and_returns_the_exit_code(capsys):
+    code = cli.main(
+        [
+            "parallel",
+            "-n",
+            "2",
+            "--gpu-memory-mb",
+            "64",
+            "--",
+            *_py(
+                "import os, sys; print(os.environ['KERAS_TFR_GPU_MEMORY_MB'], sys.argv[1]); "
+                "sys.exit(int(sys.argv[1]))"
+            ),
+            "{i}",
+        ]
+    )
+    assert code == 1
+    by_child = _lines_by_child(capsys.readouterr().out)
+    assert by_child == {0: ["64 0"], 1: ["64 1"]}
+
+
+def test_cli_usage_errors(capsys):
+    assert cli.main(["parallel", "-n", "2"]) == 2
+    assert "expected a command" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(
+            [
+                "parallel",
+                "-n",
+                "2",
+                "--gpu-memory-mb",
+                "1",
+                "--gpu-memory-fraction",
+                "0.5",
+                "--",
+                PY,
+            ]
+        )
+    assert e.value.code == 2

@@ -1,0 +1,85 @@
+"""Predictions to records: the predict callback and `predict_to_records` (distillation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+from keras_tfr.manifest import Manifest
+from keras_tfr.predict import predict_to_records
+
+
+def _teacher(seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.Flatten(), keras.layers.Dense(4)])
+    return model
+
+
+def _read(directory):
+    src = TFRecordSequenceSource(directory, batch_size=1000, shuffle=False)
+    return next(iter(src))
+
+
+def test_predictions_as_targets_distill_a_student(make_dataset, tmp_path, small_xy):
+    import keras
+
+    x, y = small_xy
+    data = make_dataset(x, y, samples_per_record=4)
+    teacher = _teacher()
+    src = TFRecordSequenceSource(data, batch_size=8, shuffle=False)
+    m = predict_to_records(teacher, src, str(tmp_path / "soft"), keep_inputs=True, verbose=0)
+    assert m.total_samples == 34 and m.structure == {"x": "array", "y": "array"}
+    xb, pb = _read(str(tmp_path / "soft"))
+    assert xb.numpy().tobytes() == x.tobytes()
+    expected = np.concatenate([teacher.predict_on_batch(x[i : i + 8]) for i in range(0, 34, 8)])
+    assert pb.numpy().tobytes() == expected.astype(np.float32).tobytes()
+
+    student = keras.Sequential([keras.Input((5, 3)), keras.layers.Flatten(), keras.layers.Dense(4)])
+    student.compile(keras.optimizers.Adam(0.05), "mse")
+    soft = TFRecordSequenceSource(str(tmp_path / "soft"), batch_size=8, seed=0)
+    before = student.evaluate(soft, verbose=0)
+    student.fit(soft, epochs=30, verbose=0)
+    after = student.evaluate(soft, verbose=0)
+    assert after < 0.1 * before
+
+
+def test_layouts_with_targets(make_dataset, tmp_path, small_xy):
+    x, y = small_xy
+    src = TFRecordSequenceSource(make_dataset(x, y), batch_size=16, shuffle=False)
+    teacher = _teacher()
+    predict_to_records(teacher, src, str(tmp_path / "a"), keep_targets=True, verbose=0)
+    pb, yb = _read(str(tmp_path / "a"))
+    assert pb.shape == (34, 4) and np.array_equal(yb.numpy(), y)
+    predict_to_records(teacher, src, str(tmp_path / "b"), keep_inputs=True, keep_targets=True,
+                       verbose=0)
+    xb, yd = _read(str(tmp_path / "b"))
+    assert set(yd) == {"predictions", "targets"} and np.array_equal(yd["targets"].numpy(), y)
+    assert np.array_equal(yd["predictions"].numpy(), pb.numpy())
+    with pytest.raises(ValueError, match="keep_targets"):
+        inputs_only = TFRecordSequenceSource(make_dataset(x, name="xo"), 16, shuffle=False)
+        predict_to_records(teacher, inputs_only, str(tmp_path / "c"), keep_targets=True,
+                           verbose=0)
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_steps_and_plain_iterables(tmp_path, small_xy):
+    x, _ = small_xy
+    batches = [x[i : i + 10] for i in range(0, 34, 10)]
+    m = predict_to_records(_teacher(), batches, str(tmp_path / "p"), steps=2, verbose=0)
+    assert m.total_samples == 20
+    with pytest.raises(TypeError, match="Keras model"):
+        predict_to_records(object(), batches, str(tmp_path / "q"), verbose=0)
+
+
+def test_writer_as_predict_callback(tmp_path, small_xy):
+    x, _ = small_xy
+    teacher = _teacher()
+    writer = ArraysToRecords(str(tmp_path / "cb"), verbose=0)
+    out = teacher.predict(x, batch_size=8, callbacks=[writer], verbose=0)
+    m = Manifest.load(str(tmp_path / "cb"))
+    assert m.total_samples == 34
+    written = _read(str(tmp_path / "cb"))
+    assert written.numpy().tobytes() == out.astype(np.float32).tobytes()

@@ -1,0 +1,391 @@
+"""Reading never fails silently: opening checks the manifest and every shard, a damaged
+record is named with its shard and byte offset, skip mode drops, logs, counts and limits
+while keeping the step count, and `verify` names every bad shard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+from keras_tfr.errors import IncompleteDatasetError, ManifestError, ShardError
+from keras_tfr.manifest import MANIFEST_NAME, Manifest
+from keras_tfr.schema import encode_block
+from keras_tfr.verify import verify
+
+SPR = 4  # samples per record
+N = 240  # 60 records
+RECORDS_PER_SHARD = 15
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """240 samples, 4 per record, 4 shards of 15 records; y is the sample's index."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((N, 6)).astype(np.float32)
+    y = np.arange(N, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, samples_per_record=SPR, min_shards=4, verbose=0)
+    m = Manifest.load(d)
+    assert [s.records for s in m.shards] == [RECORDS_PER_SHARD] * 4
+    return d, x, y, m
+
+
+def _frame(m):
+    return m.record_bytes + 16  # TFRecord framing: length, its CRC, data, its CRC
+
+
+def _flip(path, pos, bit=0x04):
+    raw = bytearray(open(path, "rb").read())
+    raw[pos] ^= bit
+    open(path, "wb").write(raw)
+
+
+def _cut(path, length):
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[:length])
+
+
+def _edit_manifest(d, fn):
+    p = os.path.join(d, MANIFEST_NAME)
+    obj = json.load(open(p))
+    fn(obj)
+    json.dump(obj, open(p, "w"))
+
+
+def _drain(src):
+    out = []
+    for batch in src:
+        out.append(tf.nest.map_structure(lambda t: t.numpy(), batch))
+    return out
+
+
+def _check_samples(batches, x):
+    """Every sample that came through is the original one (y is its index)."""
+    n = 0
+    for bx, by in batches:
+        assert np.array_equal(bx, x[by]), "wrong data passed on as good"
+        n += len(by)
+    return n
+
+
+# ------------------------------------------------------------------ opening checks everything
+
+
+def test_open_refuses_unknown_format_version(dataset):
+    d = dataset[0]
+    _edit_manifest(d, lambda o: o.update(format_version=2))
+    with pytest.raises(ManifestError, match="format_version 2 is not supported"):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("dtype", "complex64", "dtype"),
+        ("dtype", "object", "dtype"),
+        ("shape", [-1], "shape"),
+        ("shape", [2.5], "shape"),
+        ("shape", [1 << 20, 1 << 20], "exceed"),
+        ("role", "z", "role"),
+    ],
+)
+def test_open_refuses_bad_feature_specs(dataset, field, value, match):
+    d = dataset[0]
+    _edit_manifest(d, lambda o: o["features"][0].update({field: value}))
+    with pytest.raises(ManifestError, match=match):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+def test_open_refuses_a_spec_that_does_not_fit_the_shards(dataset):
+    d = dataset[0]
+    # Claims 1000x bigger samples than the files can hold.
+    _edit_manifest(d, lambda o: o["features"][0].update(shape=[6000]))
+    with pytest.raises(ManifestError, match="cannot hold"):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+def test_open_names_every_missing_or_wrong_shard(dataset):
+    d, _, _, m = dataset
+    os.remove(os.path.join(d, m.shards[1].file))
+    _cut(os.path.join(d, m.shards[3].file), 100)
+    with pytest.raises(ShardError) as e:
+        TFRecordSequenceSource(d, batch_size=8)
+    msg = str(e.value)
+    assert f"{m.shards[1].file}: missing" in msg
+    assert f"{m.shards[3].file}: 100 bytes, the manifest records {m.shards[3].bytes}" in msg
+    assert m.shards[0].file not in msg and m.shards[2].file not in msg
+
+
+def test_open_refuses_a_shard_grown_by_appended_bytes(dataset):
+    d, _, _, m = dataset
+    with open(os.path.join(d, m.shards[2].file), "ab") as f:
+        f.write(b"\0" * 7)
+    with pytest.raises(ShardError, match=m.shards[2].file):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+def test_open_refuses_missing_or_incomplete_dataset(tmp_path, dataset):
+    with pytest.raises(ManifestError, match="does not exist"):
+        TFRecordSequenceSource(str(tmp_path / "nowhere"), batch_size=8)
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ManifestError, match="has none"):
+        TFRecordSequenceSource(str(tmp_path / "empty"), batch_size=8)
+    d = dataset[0]
+    os.remove(os.path.join(d, MANIFEST_NAME))
+    open(os.path.join(d, ".keras-tfr-progress.json"), "w").write("{}")
+    with pytest.raises(IncompleteDatasetError, match="resume=True"):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+# ------------------------------------------------------------------ corruption, raise mode
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("shard, record", [(0, 0), (1, 7), (3, 14)])
+def test_flipped_byte_is_reported_with_file_and_offset(dataset, shard, record, shuffle):
+    d, x, _, m = dataset
+    path = os.path.join(d, m.shards[shard].file)
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=shuffle, seed=0)
+    _flip(path, record * _frame(m) + 30)  # inside the record's data
+    good = []
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        for batch in src:
+            good.append(tf.nest.map_structure(lambda t: t.numpy(), batch))
+    assert not isinstance(e.value, tf.errors.DataLossError)
+    msg = e.value.message
+    assert f"corrupt record in {path} at byte offset {record * _frame(m)} (record {record} " in msg
+    assert "keras-tfr verify" in msg
+    _check_samples(good, x)
+
+
+@pytest.mark.parametrize("where", ["length", "length_crc", "data_crc"])
+def test_damaged_framing_is_reported_too(dataset, where):
+    d, x, _, m = dataset
+    path = os.path.join(d, m.shards[2].file)
+    record = 5
+    pos = record * _frame(m) + {"length": 1, "length_crc": 9, "data_crc": _frame(m) - 2}[where]
+    _flip(path, pos)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"byte offset {record * _frame(m)}"):
+        _drain(TFRecordSequenceSource(d, batch_size=8, shuffle=False))
+
+
+@pytest.mark.parametrize("cut_in_record", [0, 3, 9, 14])
+def test_truncated_shard_is_reported_with_file_and_offset(dataset, cut_in_record):
+    """Truncated after the source was opened (the size check at opening passed)."""
+    d, x, _, m = dataset
+    path = os.path.join(d, m.shards[1].file)
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False)
+    for extra in (0, 10):  # on a record boundary, and inside a record
+        _cut(path, cut_in_record * _frame(m) + extra)
+        good = []
+        with pytest.raises(tf.errors.InvalidArgumentError) as e:
+            for batch in src:
+                good.append(tf.nest.map_structure(lambda t: t.numpy(), batch))
+        offset = cut_in_record * _frame(m)
+        assert f"corrupt record in {path} at byte offset {offset} (record {cut_in_record} " in (
+            e.value.message
+        )
+        # Everything before the damage came through, in order and intact.
+        n = _check_samples(good, x)
+        assert n >= (RECORDS_PER_SHARD + cut_in_record) * SPR - 8
+
+
+def test_deleted_shard_after_opening_is_named(dataset):
+    d, _, _, m = dataset
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False)
+    path = os.path.join(d, m.shards[2].file)
+    os.remove(path)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"in {path} at byte offset 0"):
+        _drain(src)
+
+
+# ------------------------------------------------------------------ corruption, skip mode
+
+
+def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog):
+    d, x, _, m = dataset
+    path = os.path.join(d, m.shards[1].file)
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False, on_corrupt="skip")
+    steps = len(src)
+    _flip(path, 10 * _frame(m) + 50)
+    with caplog.at_level(logging.WARNING, logger="keras_tfr"):
+        for epoch in range(3):
+            batches = _drain(src)
+            assert len(batches) == steps == N // 8, "the epoch is filled to the announced length"
+            assert _check_samples(batches, x) == N
+            # TensorFlow's reader cannot resume after a bad record: the rest of the shard goes.
+            assert src.corrupt_records == RECORDS_PER_SHARD - 10, "counted once, not per pass"
+            seen = np.concatenate([b[1] for b in batches])
+            lost = np.arange(RECORDS_PER_SHARD + 10, 2 * RECORDS_PER_SHARD) * SPR
+            assert not np.isin(lost, seen).any()
+    warnings_ = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == 1, "logged once per damaged record"
+    assert f"{path} at byte offset {10 * _frame(m)} (record 10 of 15)" in warnings_[0].getMessage()
+
+
+def test_skip_stops_past_the_limit(dataset):
+    d, _, _, m = dataset
+    for shard in (0, 2):
+        _flip(os.path.join(d, m.shards[shard].file), 12 * _frame(m) + 40)  # 3 records lost each
+    src = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=5)
+    with pytest.raises(tf.errors.OpError, match="more than max_corrupt_records=5") as e:
+        _drain(src)
+    assert "byte offset" in str(e.value) and m.shards[0].file[:-9] in str(e.value)
+    ok = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=6)
+    assert len(_drain(ok)) == len(ok)
+    assert ok.corrupt_records == 6
+
+
+def test_skip_with_shuffle_and_validation_split(dataset):
+    d, x, _, m = dataset
+    _flip(os.path.join(d, m.shards[3].file), 2 * _frame(m) + 20)
+    for subset in ("training", "validation"):
+        src = TFRecordSequenceSource(
+            d,
+            batch_size=8,
+            shuffle=True,
+            seed=4,
+            validation_split=0.25,
+            subset=subset,
+            on_corrupt="skip",
+        )
+        batches = _drain(src)
+        assert len(batches) == len(src)
+        assert _check_samples(batches, x) == src.num_samples
+
+
+class _CountBatches(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.per_epoch.append(self.batches)
+
+    def __init__(self):
+        super().__init__()
+        self.per_epoch = []
+
+
+def test_keras_fit_in_skip_mode_runs_the_announced_steps(dataset):
+    d, _, _, m = dataset
+    _flip(os.path.join(d, m.shards[0].file), 3 * _frame(m) + 60)
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=True, seed=1, on_corrupt="skip")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    counter = _CountBatches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(src, epochs=3, verbose=0, callbacks=[counter])
+    assert counter.per_epoch == [len(src)] * 3 == [N // 16] * 3
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert src.corrupt_records == RECORDS_PER_SHARD - 3
+
+
+def test_keras_fit_in_raise_mode_stops_with_the_file_name(dataset):
+    d, _, _, m = dataset
+    path = os.path.join(d, m.shards[2].file)
+    _flip(path, 40)
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"{path} at byte offset 0"):
+        model.fit(src, epochs=1, verbose=0)
+
+
+# ------------------------------------------------------------------ verify
+
+
+def test_verify_passes_a_sound_dataset(dataset):
+    d, _, _, m = dataset
+    report = verify(d)
+    assert report.ok and report.problems == {}
+    assert (report.shards_checked, report.records_checked, report.samples_checked) == (4, 60, N)
+    assert report.summary().startswith("OK")
+
+
+def test_verify_names_every_bad_shard(dataset):
+    d, _, _, m = dataset
+    f = [s.file for s in m.shards]
+    _flip(os.path.join(d, f[0]), 4 * _frame(m) + 33)  # CRC
+    _cut(os.path.join(d, f[2]), 6 * _frame(m) + 5)  # truncated
+    report = verify(d)
+    assert not report.ok
+    assert sorted(report.problems) == [f[0], f[2]]
+    assert any(
+        f"record 4 at byte offset {4 * _frame(m)}: corrupt" in p for p in report.problems[f[0]]
+    )
+    assert any("the manifest records" in p for p in report.problems[f[2]])
+    assert any(f"byte offset {6 * _frame(m)}" in p for p in report.problems[f[2]])
+    summary = report.summary()
+    assert summary.startswith("FAILED") and f[0] in summary and f[2] in summary
+
+
+def test_verify_reports_missing_shard_and_bad_checksums(dataset):
+    d, _, _, m = dataset
+    f = [s.file for s in m.shards]
+    os.remove(os.path.join(d, f[3]))
+    # Shards 0 and 1 swapped: every record passes its CRC, sizes match, checksums do not.
+    a, b = (os.path.join(d, n) for n in f[:2])
+    os.rename(a, a + ".x")
+    os.rename(b, a)
+    os.rename(a + ".x", b)
+    report = verify(d)
+    assert sorted(report.problems) == [f[0], f[1], f[3]]
+    assert report.problems[f[3]] == ["missing"]
+    for name in f[:2]:
+        assert any("checksum" in p for p in report.problems[name])
+
+
+def test_verify_reports_count_mismatch(dataset):
+    d, _, _, m = dataset
+
+    def drop_a_record(o):
+        o["shards"][1]["records"] -= 1
+        o["shards"][1]["samples"] -= SPR
+        o["total_records"] -= 1
+        o["total_samples"] -= SPR
+
+    _edit_manifest(d, drop_a_record)
+    report = verify(d)
+    assert list(report.problems) == [m.shards[1].file]
+    assert any("holds 15 records / 60 samples" in p for p in report.problems[m.shards[1].file])
+
+
+def test_verify_reports_records_that_pass_their_crc_but_break_the_schema(dataset):
+    """A shard rewritten with well-framed records of the wrong content."""
+    d, _, _, m = dataset
+    specs = m.features
+    path = os.path.join(d, m.shards[2].file)
+    with tf.io.TFRecordWriter(path) as w:
+        w.write(encode_block(specs, {"x": np.zeros((4, 6), np.float32), "y": np.zeros(4)}))
+        # Short record in the middle of the data set: the decoder would pad it with zeros.
+        w.write(encode_block(specs, {"x": np.zeros((2, 6), np.float32), "y": np.zeros(2)}))
+        w.write(b"not an example at all")
+    report = verify(d)
+    assert list(report.problems) == [m.shards[2].file]
+    assert any("record 1" in p and "holds 2 samples, not 4" in p for p in report.problems[m.shards[2].file])
+    # The reader refuses it at opening: the size no longer matches.
+    with pytest.raises(ShardError, match=m.shards[2].file):
+        TFRecordSequenceSource(d, batch_size=8)
+
+
+def test_verify_raises_on_a_bad_manifest(dataset, tmp_path):
+    d = dataset[0]
+    _edit_manifest(d, lambda o: o["shards"][0].update(file="../escape.tfrecord"))
+    with pytest.raises(ManifestError, match="plain file name"):
+        verify(d)
+    shutil.rmtree(d)
+    with pytest.raises(ManifestError):
+        verify(d)

@@ -1,0 +1,531 @@
+"""Writing never loses data or fails silently: bad input is refused before anything is
+written, interrupted writes leave no manifest, overwrite never mixes old and new shards,
+one writer per directory, and an interrupted conversion resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+from keras_tfr.errors import (
+    DatasetExistsError,
+    DatasetLockedError,
+    IncompleteDatasetError,
+    ManifestError,
+)
+from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
+from keras_tfr.verify import verify
+
+LOCK_NAME = ".keras-tfr.lock"
+
+# Small, exact layout: 4 samples per record, 3 records per shard (1000 // (record + 16)).
+LAYOUT = dict(samples_per_record=4, shard_size=1000, min_shards=8, verbose=0)
+
+
+def _data(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 16)).astype(np.float32)
+    y = np.arange(n, dtype=np.int64)
+    return x, y
+
+
+def _dir_files(d):
+    return sorted(os.listdir(d))
+
+
+def _shard_bytes(d):
+    m = Manifest.load(d)
+    return [open(os.path.join(d, s.file), "rb").read() for s in m.shards]
+
+
+def _manifest_json(d):
+    obj = json.load(open(os.path.join(d, MANIFEST_NAME)))
+    obj.pop("created")
+    return obj
+
+
+def _assert_same_dataset(a, b):
+    """Bit for bit: the same manifest (but its creation time) and the same shard bytes."""
+    assert _manifest_json(a) == _manifest_json(b)
+    assert _shard_bytes(a) == _shard_bytes(b)
+    assert verify(a).ok
+
+
+def _read_all(d):
+    src = TFRecordSequenceSource(d, batch_size=64, shuffle=False)
+    xs, ys = zip(*[(bx.numpy(), by.numpy()) for bx, by in src])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _no_dataset_written(d):
+    """Nothing a reader could take for data: no manifest, no shard, no journal."""
+    if not os.path.exists(d):
+        return True
+    names = os.listdir(d)
+    return not any(n == MANIFEST_NAME or n.startswith("shard-") or n == PROGRESS_NAME for n in names)
+
+
+# ------------------------------------------------------------------ bad input, refused early
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (dict(y=np.zeros(9)), ["`x`", "`y`", "x: 10", "y: 9"]),
+        (dict(y=np.zeros(10), sample_weight=np.ones(11)), ["sample_weight: 11", "x: 10"]),
+        (dict(y={"a": np.zeros(10), "b": np.zeros(8)}), ["y/b: 8"]),
+    ],
+)
+def test_lengths_that_differ_are_refused_before_writing(tmp_path, kwargs, names):
+    d = str(tmp_path / "ds")
+    with pytest.raises(ValueError, match="same number of samples") as e:
+        ArraysToRecords.from_arrays(np.zeros((10, 2), np.float32), directory=d, **kwargs)
+    for name in names:
+        assert name in str(e.value)
+    assert not os.path.exists(d), "validated before the directory was touched"
+
+
+@pytest.mark.parametrize(
+    "array, shown",
+    [
+        (np.zeros((4, 2), np.complex64), "complex64"),
+        (np.zeros((4,), np.complex128), "complex128"),
+        (np.array([{"a": 1}, None, 3, "s"], dtype=object), "object"),
+        (np.zeros((4,), "datetime64[s]"), "datetime64"),
+        (np.zeros((4,), "timedelta64[s]"), "timedelta64"),
+    ],
+)
+@pytest.mark.parametrize("role", ["x", "y", "sample_weight"])
+def test_unsupported_dtypes_are_refused_naming_the_argument(tmp_path, array, shown, role):
+    d = str(tmp_path / "ds")
+    args = {"x": np.zeros((4, 2), np.float32), "y": np.zeros(4), "sample_weight": np.ones(4)}
+    args[role] = array
+    with pytest.raises((TypeError, ValueError)) as e:
+        ArraysToRecords.from_arrays(
+            args["x"], args["y"], d, sample_weight=args["sample_weight"], verbose=0
+        )
+    msg = str(e.value)
+    assert f"`{role}`" in msg and shown in msg and "Expected" in msg, msg
+    assert not os.path.exists(d)
+
+
+def test_changing_shape_dtype_or_structure_between_writes_is_refused(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data(40)
+    with ArraysToRecords(d, samples_per_record=4, verbose=0) as w:
+        w.write(x[:10], y[:10])
+        with pytest.raises(ValueError, match=r"per-sample shape \(16,\).*shape \(8,\)"):
+            w.write(x[10:20, :8], y[10:20])
+        with pytest.raises(ValueError, match="dtype float32.*dtype float64"):
+            w.write(x[10:20].astype(np.float64), y[10:20])
+        with pytest.raises(ValueError, match="structure of the first"):
+            w.write(x[10:20])  # y missing
+        with pytest.raises(ValueError, match="structure of the first"):
+            w.write({"a": x[10:20]}, y[10:20])
+        # The refused batches left no trace: the writer goes on with good data.
+        w.write(x[10:], y[10:])
+    xs, ys = _read_all(d)
+    assert np.array_equal(xs, x) and np.array_equal(ys, y)
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (np.zeros((0, 3), np.float32), "at least one sample"),
+        (np.zeros((5, 0), np.float32), "at least one value"),
+        ({}, "non-empty dict"),
+        ([], "non-empty list"),
+        (np.float32(3.0), "first axis indexes samples"),
+        (None, "at least one array"),
+    ],
+)
+def test_empty_input_is_refused(tmp_path, x, match):
+    d = str(tmp_path / "ds")
+    with pytest.raises(ValueError, match=match):
+        ArraysToRecords.from_arrays(x, directory=d, verbose=0)
+    assert not os.path.exists(d)
+
+
+def test_empty_iterable_or_no_write_leaves_no_dataset(tmp_path):
+    d = str(tmp_path / "ds")
+    with pytest.raises(ValueError, match="No samples were written"):
+        ArraysToRecords.from_arrays(iter([]), directory=d, verbose=0)
+    assert _no_dataset_written(d)
+    with pytest.raises(ValueError, match="No samples were written"):
+        with ArraysToRecords(d, verbose=0):
+            pass
+    assert _no_dataset_written(d)
+    assert not os.path.exists(os.path.join(d, LOCK_NAME))
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        ({1: np.zeros(4), "1": np.zeros(4)}, "keys of `x`"),  # would collide as "1"
+        ({"a/b": np.zeros(4)}, "without '/'"),  # would collide with nested keys
+        ({"": np.zeros(4)}, "non-empty strings"),
+        ({"a\x00": np.zeros(4)}, "keys of `x`"),
+    ],
+)
+def test_feature_names_that_could_collide_are_refused(tmp_path, x, match):
+    d = str(tmp_path / "ds")
+    with pytest.raises(ValueError, match=match):
+        ArraysToRecords.from_arrays(x, np.zeros(4), d, verbose=0)
+    assert not os.path.exists(d)
+
+
+def test_same_names_in_different_roles_do_not_collide(make_dataset):
+    x = {"a": np.arange(8, dtype=np.int32)}
+    y = {"a": np.arange(8, dtype=np.int32) * 10}
+    d = make_dataset(x, y, samples_per_record=4)
+    keys = [f.key for f in Manifest.load(d).features]
+    assert sorted(keys) == ["x/a", "y/a"]
+    (bx, by), *_ = list(TFRecordSequenceSource(d, batch_size=8, shuffle=False))
+    assert np.array_equal(bx["a"].numpy(), x["a"]) and np.array_equal(by["a"].numpy(), y["a"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(shard_size=0), "shard_size"),
+        (dict(shard_size=-5), "shard_size"),
+        (dict(shard_size="big"), "shard_size"),
+        (dict(shard_size="1PB"), "shard_size"),
+        (dict(shard_size=True), "shard_size"),
+        (dict(shard_size=1.5), "shard_size"),
+        (dict(record_size="3GB"), "record_size"),
+        (dict(record_size=0), "record_size"),
+        (dict(chunk_size="-1MB"), "chunk_size"),
+        (dict(samples_per_record=0), "samples_per_record"),
+        (dict(samples_per_record=2.5), "samples_per_record"),
+        (dict(samples_per_record=True), "samples_per_record"),
+        (dict(compression="lz4"), "compression"),
+        (dict(min_shards=0), "min_shards"),
+        (dict(verbose=7), "verbose"),
+        (dict(metadata=[1, 2]), "metadata"),
+        (dict(metadata={"f": object()}), "metadata"),
+        (dict(metadata={"nan": float("nan")}), "metadata"),
+        (dict(overwrite=True, resume=True), "resume=True"),
+    ],
+)
+def test_options_out_of_range_are_refused_naming_the_argument(tmp_path, kwargs, argument):
+    d = str(tmp_path / "ds")
+    with pytest.raises((TypeError, ValueError)) as e:
+        ArraysToRecords.from_arrays(np.zeros((4, 2), np.float32), directory=d, **kwargs)
+    assert f"`{argument}`" in str(e.value)
+    assert not os.path.exists(d)
+    with pytest.raises((TypeError, ValueError)):
+        ArraysToRecords(d, **kwargs)
+    assert not os.path.exists(d)
+
+
+def test_sample_weight_without_y_is_refused(tmp_path):
+    d = str(tmp_path / "ds")
+    x, sw = np.zeros((6, 2), np.float32), np.ones(6, np.float32)
+    with pytest.raises(ValueError, match="Expected `y` with `sample_weight`"):
+        ArraysToRecords.from_arrays(x, directory=d, sample_weight=sw, verbose=0)
+    assert not os.path.exists(d)
+    with ArraysToRecords(d, verbose=0) as w:
+        with pytest.raises(ValueError, match="Expected `y` with `sample_weight`"):
+            w.write(x, None, sw)
+        w.write(x, np.zeros(6))
+    with pytest.raises(ValueError, match="Expected `y` with `sample_weight`"):
+        ArraysToRecords.from_arrays(iter([(x, None, sw)]), directory=str(tmp_path / "it"))
+    assert _no_dataset_written(str(tmp_path / "it"))
+
+
+# ------------------------------------------------------------------ interrupted writes
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("after", [0, 5, 120])
+def test_exception_inside_with_leaves_no_manifest(tmp_path, exc, after):
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    with pytest.raises(exc):
+        with ArraysToRecords(d, **LAYOUT) as w:
+            if after:
+                w.write(x[:after], y[:after])
+            raise exc("stop")
+    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    assert not any(n.endswith(".tmp") for n in os.listdir(d)), "unfinished shard removed"
+    assert not os.path.exists(os.path.join(d, LOCK_NAME)), "lock released"
+    expected = IncompleteDatasetError if after >= 12 else ManifestError  # a shard completed
+    with pytest.raises(expected):
+        TFRecordSequenceSource(d, batch_size=8)
+    with pytest.raises(expected):
+        verify(d)
+
+
+def test_error_while_writing_aborts_and_keeps_completed_shards_for_resume(tmp_path):
+    class Exploding:
+        """An array-like whose slices fail half-way through the conversion."""
+
+        def __init__(self, a):
+            self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+        def __getitem__(self, s):
+            if s.start is not None and s.start >= 100:
+                raise OSError("disk went away")
+            return self.a[s]
+
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    with pytest.raises(OSError, match="disk went away"):
+        ArraysToRecords.from_arrays(Exploding(x), y, d, chunk_size=200, **LAYOUT)
+    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    with pytest.raises(IncompleteDatasetError, match="resume=True"):
+        TFRecordSequenceSource(d, batch_size=8)
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ref = str(tmp_path / "ref")
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+
+
+# ------------------------------------------------------------------ existing data, overwrite
+
+
+def test_existing_dataset_is_refused_and_left_intact(make_dataset, tmp_path):
+    x, y = _data()
+    d = make_dataset(x, y, **{k: v for k, v in LAYOUT.items() if k != "verbose"})
+    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    with pytest.raises(DatasetExistsError, match="overwrite=True"):
+        ArraysToRecords.from_arrays(x[:10], y[:10], d, verbose=0)
+    with pytest.raises(DatasetExistsError):
+        with ArraysToRecords(d, verbose=0) as w:
+            w.write(x[:10], y[:10])
+    after = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    assert after == before
+
+
+def test_overwrite_replaces_every_old_shard(make_dataset, tmp_path):
+    x, y = _data(400)
+    d = make_dataset(x, y, **{k: v for k, v in LAYOUT.items() if k != "verbose"})
+    old_shards = len(Manifest.load(d).shards)
+    x2, y2 = x[:30] * 2, y[:30] + 1000
+    m = ArraysToRecords.from_arrays(x2, y2, d, overwrite=True, **LAYOUT)
+    assert len(m.shards) < old_shards
+    assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
+    xs, ys = _read_all(d)
+    assert np.array_equal(xs, x2) and np.array_equal(ys, y2)
+
+
+def test_overwrite_removes_shards_named_by_the_old_manifest(make_dataset):
+    x, y = _data(40)
+    d = make_dataset(x, y, samples_per_record=4, min_shards=2)
+    # A data set whose shards another tool named differently.
+    mpath = os.path.join(d, MANIFEST_NAME)
+    obj = json.load(open(mpath))
+    for i, s in enumerate(obj["shards"]):
+        new = f"train-{i}-of-{len(obj['shards'])}.tfrecord"
+        os.rename(os.path.join(d, s["file"]), os.path.join(d, new))
+        s["file"] = new
+    json.dump(obj, open(mpath, "w"))
+    assert verify(d).ok
+    m = ArraysToRecords.from_arrays(x[:8], y[:8], d, overwrite=True, samples_per_record=4, verbose=0)
+    assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
+
+
+def test_overwrite_with_bad_input_keeps_the_old_dataset(make_dataset):
+    x, y = _data()
+    d = make_dataset(x, y, samples_per_record=4)
+    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    with pytest.raises(ValueError, match="same number of samples"):
+        ArraysToRecords.from_arrays(x, y[:5], d, overwrite=True, verbose=0)
+    with pytest.raises(TypeError, match="complex"):
+        with ArraysToRecords(d, overwrite=True, verbose=0) as w:
+            w.write(x.astype(np.complex64), y)
+    with pytest.raises(RuntimeError):
+        with ArraysToRecords(d, overwrite=True, verbose=0):
+            raise RuntimeError("changed my mind before writing")
+    after = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    assert after == before
+    assert verify(d).ok
+
+
+def test_interrupted_overwrite_never_mixes_old_and_new_shards(make_dataset):
+    x, y = _data(400)
+    d = make_dataset(x, y, **{k: v for k, v in LAYOUT.items() if k != "verbose"})
+    old = set(_shard_bytes(d))
+    with pytest.raises(KeyboardInterrupt):
+        with ArraysToRecords(d, overwrite=True, **LAYOUT) as w:
+            w.write(-x[:50], y[:50])
+            raise KeyboardInterrupt
+    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    shard_files = [n for n in os.listdir(d) if n.startswith("shard-")]
+    assert shard_files, "the new conversion's completed shards stay for resume"
+    assert not old & {open(os.path.join(d, n), "rb").read() for n in shard_files}
+    with pytest.raises(IncompleteDatasetError):
+        TFRecordSequenceSource(d, batch_size=8)
+    # Resuming finishes the *new* data set, bit for bit.
+    ArraysToRecords.from_arrays(-x[:50], y[:50], d, resume=True, **LAYOUT)
+    xs, ys = _read_all(d)
+    assert np.array_equal(xs, -x[:50]) and np.array_equal(ys, y[:50])
+
+
+# ------------------------------------------------------------------ one writer per directory
+
+
+def test_second_writer_on_a_directory_is_refused(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    with ArraysToRecords(d, **LAYOUT) as first:
+        first.write(x[:50], y[:50])
+        with pytest.raises(DatasetLockedError, match="Another writer"):
+            with ArraysToRecords(d, **LAYOUT) as second:
+                second.write(x, y)
+        with pytest.raises(DatasetLockedError):
+            ArraysToRecords.from_arrays(x, y, d, overwrite=True, **LAYOUT)
+        first.write(x[50:], y[50:])
+    assert not os.path.exists(os.path.join(d, LOCK_NAME))
+    xs, ys = _read_all(d)
+    assert np.array_equal(xs, x) and np.array_equal(ys, y), "the first writer was not disturbed"
+
+
+def _write_lock(d, pid, host):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, LOCK_NAME), "w") as f:
+        json.dump({"pid": pid, "host": host, "time": 0}, f)
+
+
+def test_lock_of_a_live_process_or_another_host_is_respected(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data(20)
+    for pid, host in [(os.getpid(), socket.gethostname()), (1, "some-other-host")]:
+        _write_lock(d, pid, host)
+        with pytest.raises(DatasetLockedError, match=LOCK_NAME.replace(".", r"\.")):
+            ArraysToRecords.from_arrays(x, y, d, verbose=0)
+        assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data(20)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid no longer runs
+    _write_lock(d, child.pid, socket.gethostname())
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    assert not os.path.exists(os.path.join(d, LOCK_NAME))
+    assert verify(d).ok
+
+
+# ------------------------------------------------------------------ resume
+
+
+def _interrupt_after(d, x, y, n):
+    """Writes n samples, then stops as Ctrl-C would (completed shards and journal stay)."""
+    with pytest.raises(KeyboardInterrupt):
+        with ArraysToRecords(d, expected_samples=len(x), **LAYOUT) as w:
+            w.write(x[:n], y[:n])
+            raise KeyboardInterrupt
+    journal = json.load(open(os.path.join(d, PROGRESS_NAME)))
+    return journal
+
+
+def test_writer_without_resume_refuses_an_unfinished_conversion(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    _interrupt_after(d, x, y, 100)
+    with pytest.raises(IncompleteDatasetError, match="resume=True"):
+        ArraysToRecords.from_arrays(x, y, d, **LAYOUT)
+    with pytest.raises(IncompleteDatasetError, match="resume=True"):
+        with ArraysToRecords(d, **LAYOUT) as w:
+            w.write(x, y)
+
+
+def test_resume_keeps_complete_shards_and_finishes_bit_for_bit(tmp_path):
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+    journal = _interrupt_after(d, x, y, 100)
+    kept = [s["file"] for s in journal["shards"]]
+    assert len(kept) >= 2
+    stats = {n: os.stat(os.path.join(d, n)) for n in kept}
+    m = ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+    for n, st in stats.items():  # not rewritten
+        now = os.stat(os.path.join(d, n))
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
+
+
+def test_resume_rewrites_a_damaged_shard(tmp_path, caplog):
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+    journal = _interrupt_after(d, x, y, 100)
+    victim = journal["shards"][1]["file"]
+    p = os.path.join(d, victim)
+    raw = bytearray(open(p, "rb").read())
+    raw[40] ^= 0x10
+    open(p, "wb").write(raw)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    assert victim in caplog.text
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+
+
+def test_resume_after_a_kill_between_journal_and_rename(tmp_path):
+    """The journal lists the last shard, but it is still under its temporary name."""
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+    journal = _interrupt_after(d, x, y, 100)
+    last = journal["shards"][-1]["file"]
+    os.rename(os.path.join(d, last), os.path.join(d, last + ".tmp"))
+    with pytest.raises(IncompleteDatasetError):
+        TFRecordSequenceSource(d, batch_size=8)
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+
+
+def test_resume_after_a_kill_between_rename_and_journal(tmp_path):
+    """A complete shard exists that the journal does not list yet; atomic-write
+    leftovers lie around too."""
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+    _interrupt_after(d, x, y, 100)
+    jpath = os.path.join(d, PROGRESS_NAME)
+    journal = json.load(open(jpath))
+    journal["shards"] = journal["shards"][:-1]
+    json.dump(journal, open(jpath, "w"))
+    open(jpath + ".tmp-99999", "w").write("{")
+    open(os.path.join(d, MANIFEST_NAME + ".tmp-99999"), "w").write("{")
+    with pytest.raises(IncompleteDatasetError):
+        ArraysToRecords.from_arrays(x, y, d, **LAYOUT)
+    m = ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+    assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
+
+
+def test_resume_with_other_input_is_refused(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    _interrupt_after(d, x, y, 100)
+    with pytest.raises(ValueError, match="per-sample shape"):
+        ArraysToRecords.from_arrays(x[:, :8], y, d, resume=True, **LAYOUT)
+    with pytest.raises(ValueError, match="more than the 20 given"):
+        ArraysToRecords.from_arrays(x[:20], y[:20], d, resume=True, **LAYOUT)
+    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)  # the right input still works
+    assert verify(d).ok
+
+
+def test_damaged_journal_is_refused_with_a_way_out(tmp_path):
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    _interrupt_after(d, x, y, 100)
+    open(os.path.join(d, PROGRESS_NAME), "w").write('{"format": "keras-tfr", "shards": 3')
+    with pytest.raises(IncompleteDatasetError, match="overwrite=True"):
+        ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, d, overwrite=True, **LAYOUT)
+    xs, ys = _read_all(d)
+    assert np.array_equal(xs, x) and np.array_equal(ys, y)

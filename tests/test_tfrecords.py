@@ -1,0 +1,182 @@
+"""TFRecord files of other tools: streamed by `from_tfrecords`, rewritten by `convert_tfrecords`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import TFRecordSequenceSource
+from keras_tfr.manifest import Manifest
+from keras_tfr.tfrecords import (
+    COUNTS_NAME,
+    TensorFeature,
+    convert_tfrecords,
+    count_records,
+    from_tfrecords,
+    infer_features,
+)
+
+N = 45
+
+
+def _write_tutorial(directory, n=N, files=3, seed=0):
+    """Exactly as TensorFlow's TFRecord tutorial writes images: serialize_tensor + float label."""
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((n, 6, 4)).astype(np.float32)
+    labels = rng.standard_normal(n).astype(np.float32)
+    tokens = [rng.integers(0, 99, size=int(rng.integers(1, 6))) for _ in range(n)]
+    per = -(-n // files)
+    os.makedirs(directory, exist_ok=True)
+    for k in range(files):
+        with tf.io.TFRecordWriter(os.path.join(directory, f"train-{k}.tfrecord")) as w:
+            for i in range(k * per, min(n, (k + 1) * per)):
+                feature = {
+                    "image": tf.train.Feature(
+                        bytes_list=tf.train.BytesList(
+                            value=[tf.io.serialize_tensor(images[i]).numpy()]
+                        )
+                    ),
+                    "label": tf.train.Feature(float_list=tf.train.FloatList(value=[labels[i]])),
+                    "tokens": tf.train.Feature(int64_list=tf.train.Int64List(value=tokens[i])),
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=feature))
+                w.write(example.SerializeToString())
+    return images, labels, tokens
+
+
+FEATURES = {
+    "image": TensorFeature(tf.float32, (6, 4)),
+    "label": tf.io.FixedLenFeature([], tf.float32),
+}
+
+
+def test_tutorial_layout_streams_bit_for_bit_with_known_length(tmp_path):
+    images, labels, _ = _write_tutorial(tmp_path)
+    ds = TFRecordSequenceSource.from_tfrecords(
+        str(tmp_path / "train-*.tfrecord"), features=FEATURES, batch_size=8, y="label"
+    )
+    assert len(ds) == 6  # 45 / 8, known before the first epoch
+    xb = np.concatenate([x.numpy() for x, _ in ds])
+    yb = np.concatenate([y.numpy() for _, y in ds])
+    assert xb.tobytes() == images.tobytes() and yb.tobytes() == labels.tobytes()
+
+
+def test_record_counts_are_cached_beside_the_files(tmp_path, monkeypatch):
+    _write_tutorial(tmp_path)
+    paths = sorted(str(p) for p in tmp_path.glob("*.tfrecord"))
+    assert count_records(paths) == [15, 15, 15]
+    cache = json.loads((tmp_path / COUNTS_NAME).read_text())
+    assert set(cache["files"]) == {"train-0.tfrecord", "train-1.tfrecord", "train-2.tfrecord"}
+    # A second count reads no record: make reading fail to prove it.
+    monkeypatch.setattr(tf.data, "TFRecordDataset", None)
+    assert count_records(paths) == [15, 15, 15]
+    monkeypatch.undo()
+    # A changed file is counted again.
+    with tf.io.TFRecordWriter(paths[0]) as w:
+        w.write(b"one record only")
+    assert count_records(paths) == [1, 15, 15]
+
+
+def test_shuffled_epoch_covers_every_sample_once(tmp_path):
+    images, labels, _ = _write_tutorial(tmp_path)
+    ds = from_tfrecords(
+        str(tmp_path / "*.tfrecord"), FEATURES, 7, y="label", shuffle=True, seed=1,
+        shuffle_memory=2000,
+    )
+    got = np.concatenate([y.numpy() for _, y in ds])
+    assert sorted(got.tolist()) == sorted(labels.tolist())
+    assert not np.array_equal(got, labels)
+
+
+def test_variable_length_feature_padded_or_ragged(tmp_path):
+    _, _, tokens = _write_tutorial(tmp_path)
+    feats = {**FEATURES, "tokens": tf.io.VarLenFeature(tf.int64)}
+    rag = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"],
+                         y="label", ragged="ragged")
+    rows = [r.numpy() for x, _ in rag for r in x["tokens"]]
+    assert all(np.array_equal(a, b) for a, b in zip(rows, tokens)) and len(rows) == N
+    pad = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"],
+                         y="label")
+    x, _ = next(iter(pad))
+    assert isinstance(x["tokens"], tf.Tensor)
+    assert np.array_equal(x["tokens"][0, : len(tokens[0])], tokens[0])
+
+
+def test_infer_features_recognizes_serialized_tensors(tmp_path):
+    _write_tutorial(tmp_path)
+    f = infer_features([str(tmp_path / "train-0.tfrecord")])
+    assert f["image"] == TensorFeature("float32", (6, 4))
+    assert f["label"].shape == [] and f["label"].dtype == tf.float32
+    assert isinstance(f["tokens"], tf.io.VarLenFeature)
+
+
+def test_wrong_tensor_feature_names_the_feature(tmp_path):
+    _write_tutorial(tmp_path)
+    ds = from_tfrecords(str(tmp_path / "*.tfrecord"),
+                        {"image": TensorFeature(tf.float32, (4, 6))}, 8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="feature `image`"):
+        next(iter(ds))
+
+
+def test_unknown_shape_maps_parse_tensor(tmp_path):
+    images, _, _ = _write_tutorial(tmp_path)
+    ds = from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.float32)}, 9)
+    got = np.concatenate([x.numpy() for x in ds])
+    assert got.tobytes() == images.tobytes()
+
+
+def test_bad_arguments_are_named(tmp_path):
+    _write_tutorial(tmp_path)
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        from_tfrecords(str(tmp_path / "nothing-*.tfrecord"), FEATURES)
+    with pytest.raises(ValueError, match="not in `features`"):
+        from_tfrecords(str(tmp_path / "*.tfrecord"), FEATURES, y="labels")
+    with pytest.raises(TypeError, match=r"features\['image'\]"):
+        from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": "float32"})
+    with pytest.raises(ValueError, match="`ragged`"):
+        from_tfrecords(str(tmp_path / "*.tfrecord"), FEATURES, ragged="dense")
+
+
+def test_convert_keeps_every_value_and_order(tmp_path):
+    images, labels, tokens = _write_tutorial(tmp_path / "old")
+    m = convert_tfrecords(str(tmp_path / "old" / "*.tfrecord"), str(tmp_path / "new"),
+                          y="label", verbose=0, samples_per_record=4, read_batch_size=16)
+    assert m.total_samples == N
+    kinds = {f.key: (f.kind, f.dtype, f.shape) for f in Manifest.load(str(tmp_path / "new")).features}
+    assert kinds == {
+        "x/image": ("fixed", "float32", (6, 4)),
+        "x/tokens": ("ragged", "int64", ()),
+        "y": ("fixed", "float32", ()),
+    }
+    src = TFRecordSequenceSource(str(tmp_path / "new"), batch_size=10, shuffle=False,
+                                 ragged="ragged")
+    xs = list(src)
+    assert np.concatenate([x["image"].numpy() for x, _ in xs]).tobytes() == images.tobytes()
+    assert np.concatenate([y.numpy() for _, y in xs]).tobytes() == labels.tobytes()
+    rows = [r.numpy() for x, _ in xs for r in x["tokens"]]
+    assert all(np.array_equal(a, b) for a, b in zip(rows, tokens))
+
+
+def test_convert_stores_encoded_images_as_bytes(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, size=(12, 4, 4, 1), dtype=np.uint8)
+    os.makedirs(tmp_path / "old")
+    with tf.io.TFRecordWriter(str(tmp_path / "old" / "a.tfrecord")) as w:
+        for i, im in enumerate(images):
+            f = {
+                "png": tf.train.Feature(bytes_list=tf.train.BytesList(value=[tf.io.encode_png(im).numpy()])),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i])),
+            }
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+    convert_tfrecords(str(tmp_path / "old" / "a.tfrecord"), str(tmp_path / "new"), y="label",
+                      verbose=0)
+    (spec,) = Manifest.load(str(tmp_path / "new")).features_of("x")
+    assert spec.kind == "bytes"
+    src = TFRecordSequenceSource(str(tmp_path / "new"), batch_size=5, shuffle=False,
+                                 decode={"x": tf.io.decode_png})
+    got = np.concatenate([x.numpy() for x, _ in src])
+    assert np.array_equal(got, images)

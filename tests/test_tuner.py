@@ -1,0 +1,522 @@
+"""keras-tuner on keras-tfr sources: every built-in tuner, tuned batch sizes, the launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+N_TRAIN = 200
+N_VAL = 40
+FEATURES = 4
+
+
+@pytest.fixture(scope="module")
+def data_dirs(tmp_path_factory):
+    """200 training and 40 validation samples of a linear problem, 8 samples a record."""
+    from keras_tfr import ArraysToRecords
+
+    root = tmp_path_factory.mktemp("tuner_data")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N_TRAIN + N_VAL, FEATURES)).astype(np.float32)
+    y = (x @ np.arange(1, FEATURES + 1, dtype=np.float32)).astype(np.float32)[:, None]
+    train, val = str(root / "train"), str(root / "val")
+    ArraysToRecords.from_arrays(x[:N_TRAIN], y[:N_TRAIN], train, samples_per_record=8, verbose=0)
+    ArraysToRecords.from_arrays(x[N_TRAIN:], y[N_TRAIN:], val, samples_per_record=8, verbose=0)
+    return {"train": train, "val": val, "x": x, "y": y}
+
+
+@pytest.fixture(scope="module")
+def sources(data_dirs):
+    from keras_tfr import TFRecordSequenceSource
+
+    train = TFRecordSequenceSource(data_dirs["train"], batch_size=10, seed=0)
+    val = TFRecordSequenceSource(data_dirs["val"], batch_size=10, shuffle=False)
+    return train, val
+
+
+def _recorder():
+    """A callback class whose runs land in a class-level list (keras-tuner deep-copies
+    callbacks per execution, so instance state would be lost)."""
+    import keras
+
+    class Recorder(keras.callbacks.Callback):
+        runs: list = []
+
+        def on_train_begin(self, logs=None):
+            self._counts = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._counts.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._counts[-1] += 1
+
+        def on_train_end(self, logs=None):
+            Recorder.runs.append(
+                {
+                    "batch_size": getattr(self.model, "_test_batch_size", None),
+                    "steps": self.params["steps"],
+                    "counted": list(self._counts),
+                }
+            )
+
+    return Recorder
+
+
+def _build_fn(units=False, seen=None):
+    """A tiny regression model; remembers the trial's batch size on the model."""
+    import keras
+
+    def build(hp):
+        width = hp.Int("units", 2, 4, step=2) if units else 2
+        model = keras.Sequential(
+            [keras.Input((FEATURES,)), keras.layers.Dense(width), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model._test_batch_size = hp.values.get("batch_size")
+        if seen is not None:
+            fit = model.fit
+
+            def recording_fit(x=None, *args, **kwargs):
+                val = kwargs.get("validation_data")
+                seen.append(
+                    {
+                        "x": x,
+                        "val_batch_size": getattr(val, "batch_size", None),
+                        "batch_size_kwarg": kwargs.get("batch_size"),
+                    }
+                )
+                return fit(x, *args, **kwargs)
+
+            model.fit = recording_fit
+        return model
+
+    return build
+
+
+def _check_runs(runs, n=N_TRAIN):
+    """Every fit took ceil(n / its batch size) steps, in Keras' count and in batches seen."""
+    assert runs
+    for run in runs:
+        expected = math.ceil(n / run["batch_size"])
+        assert run["steps"] == expected, run
+        assert run["counted"] and all(c == expected for c in run["counted"]), run
+
+
+def _tuner(cls, hypermodel, tmp_path, **kwargs):
+    return cls(
+        hypermodel,
+        objective="val_loss",
+        directory=str(tmp_path),
+        project_name=cls.__name__,
+        overwrite=True,
+        seed=1,
+        **kwargs,
+    )
+
+
+TUNERS = {
+    "RandomSearch": {"max_trials": 2},
+    "GridSearch": {"max_trials": 2},
+    "BayesianOptimization": {"max_trials": 2},
+    "Hyperband": {"max_epochs": 2, "factor": 3, "hyperband_iterations": 1},
+}
+
+
+@pytest.mark.parametrize("tuner_name", sorted(TUNERS))
+def test_every_builtin_tuner_searches_a_source_with_tuned_batch_size(tuner_name, sources, tmp_path):
+    import keras_tuner
+
+    if tuner_name == "BayesianOptimization":
+        pytest.importorskip("sklearn")
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train, val = sources
+    Recorder = _recorder()
+    hypermodel = TFRecordHyperModel(
+        _build_fn(units=tuner_name != "GridSearch"), batch_size=[16, 64]
+    )
+    tuner = _tuner(getattr(keras_tuner, tuner_name), hypermodel, tmp_path, **TUNERS[tuner_name])
+    tuner.search(train, validation_data=val, epochs=1, callbacks=[Recorder()], verbose=0)
+
+    trials = list(tuner.oracle.trials.values())
+    assert trials and all(t.status == "COMPLETED" for t in trials)
+    assert all(t.hyperparameters.values["batch_size"] in (16, 64) for t in trials)
+    assert len(Recorder.runs) == len(trials)
+    _check_runs(Recorder.runs)
+    if tuner_name == "GridSearch":
+        # The only hyperparameter is the batch size: both values, one trial each.
+        assert sorted(r["batch_size"] for r in Recorder.runs) == [16, 64]
+    best = tuner.get_best_hyperparameters()[0].values
+    assert best["batch_size"] in (16, 64)
+    # The user's sources are untouched.
+    assert train.batch_size == 10 and val.batch_size == 10
+
+
+def test_executions_per_trial(sources, tmp_path):
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train, val = sources
+    Recorder = _recorder()
+    tuner = _tuner(
+        keras_tuner.RandomSearch,
+        TFRecordHyperModel(_build_fn(), batch_size=[32]),
+        tmp_path,
+        max_trials=1,
+        executions_per_trial=2,
+    )
+    tuner.search(train, validation_data=val, epochs=1, callbacks=[Recorder()], verbose=0)
+    (trial,) = tuner.oracle.trials.values()
+    assert trial.status == "COMPLETED"
+    assert len(Recorder.runs) == 2
+    _check_runs(Recorder.runs)
+    assert all(r["steps"] == 7 for r in Recorder.runs)  # ceil(200 / 32)
+
+
+def test_copies_share_the_manifest_and_take_the_trials_values(sources, tmp_path):
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train, val = sources
+    seen: list = []
+    tuner = _tuner(
+        keras_tuner.GridSearch,
+        TFRecordHyperModel(_build_fn(seen=seen), batch_size=25, shuffle_memory=["1MB", "2MB"]),
+        tmp_path,
+        max_trials=2,
+    )
+    tuner.search(train, validation_data=val, epochs=1, verbose=0)
+    assert len(seen) == 2
+    trials = sorted(tuner.oracle.trials.values(), key=lambda t: t.trial_id)
+    for call, trial in zip(seen, trials):
+        x = call["x"]
+        assert x is not train and x.manifest is train.manifest  # no re-reading from disk
+        assert x.batch_size == 25 and len(x) == 8  # ceil(200 / 25)
+        assert x._config["shuffle_memory"] == trial.hyperparameters.values["shuffle_memory"]
+        assert call["val_batch_size"] == 25  # validation follows, as fit does for arrays
+    assert sorted(c["x"]._config["shuffle_memory"] for c in seen) == ["1MB", "2MB"]
+
+
+def test_batch_size_declared_in_build_or_passed_by_a_subclass(sources, tmp_path):
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train, val = sources
+    build = _build_fn()
+
+    def build_declaring(hp):
+        hp.Choice("batch_size", [40])
+        return build(hp)
+
+    Recorder = _recorder()
+    tuner = _tuner(
+        keras_tuner.RandomSearch, TFRecordHyperModel(build_declaring), tmp_path, max_trials=1
+    )
+    tuner.search(train, validation_data=val, epochs=1, callbacks=[Recorder()], verbose=0)
+    assert [r["steps"] for r in Recorder.runs] == [5]  # ceil(200 / 40)
+
+    class Documented(TFRecordHyperModel):
+        """keras-tuner's documented way to tune the batch size, now with a source."""
+
+        def build(self, hp):
+            return build(hp)
+
+        def fit(self, hp, model, *args, **kwargs):
+            return super().fit(hp, model, *args, batch_size=hp.Choice("batch_size", [50]), **kwargs)
+
+    Recorder = _recorder()
+    tuner = _tuner(keras_tuner.RandomSearch, Documented(), tmp_path / "b", max_trials=1)
+    tuner.search(train, validation_data=val, epochs=1, callbacks=[Recorder()], verbose=0)
+    assert [r["steps"] for r in Recorder.runs] == [4]  # ceil(200 / 50)
+
+
+def test_arrays_get_the_batch_size_passed_to_fit(data_dirs, tmp_path):
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    x, y = data_dirs["x"], data_dirs["y"]
+    Recorder = _recorder()
+    tuner = _tuner(
+        keras_tuner.RandomSearch,
+        TFRecordHyperModel(_build_fn(), batch_size=lambda hp: hp.Choice("batch_size", [64])),
+        tmp_path,
+        max_trials=1,
+    )
+    tuner.search(
+        x[:N_TRAIN],
+        y[:N_TRAIN],
+        validation_data=(x[N_TRAIN:], y[N_TRAIN:]),
+        epochs=1,
+        callbacks=[Recorder()],
+        verbose=0,
+    )
+    _check_runs(Recorder.runs)
+    assert [r["steps"] for r in Recorder.runs] == [4]
+
+
+def test_rebatch(sources):
+    from keras_tfr.tuner import rebatch
+
+    train, _ = sources
+    assert rebatch(train) is train
+    assert rebatch(train, 10) is train
+    copy = rebatch(train, 7, shuffle_memory="3MB")
+    assert copy is not train and copy.manifest is train.manifest
+    assert (copy.batch_size, len(copy), copy._config["shuffle_memory"]) == (7, 29, "3MB")
+    arrays = np.zeros((3, 2))
+    assert rebatch(arrays, 7) is arrays
+    with pytest.raises(ValueError, match="batch_size"):
+        rebatch(train, 0)
+    with pytest.raises(TypeError, match="batch_size"):
+        rebatch(train, 2.5)
+    with pytest.raises(ValueError, match="shuffle_memory"):
+        rebatch(train, shuffle_memory="lots")
+
+
+def test_hypermodel_checks_its_arguments():
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    with pytest.raises(ValueError, match="batch_size"):
+        TFRecordHyperModel(lambda hp: None, batch_size=[16, 0])
+    with pytest.raises(ValueError, match="batch_size"):
+        TFRecordHyperModel(lambda hp: None, batch_size=[])
+    with pytest.raises(TypeError, match="batch_size"):
+        TFRecordHyperModel(lambda hp: None, batch_size=[16, "32"])
+    with pytest.raises(ValueError, match="shuffle_memory"):
+        TFRecordHyperModel(lambda hp: None, shuffle_memory=["1MB", "a lot"])
+    with pytest.raises(TypeError, match="build"):
+        TFRecordHyperModel("not a function")
+    import keras_tuner
+
+    with pytest.raises(NotImplementedError, match="build"):
+        TFRecordHyperModel().build(keras_tuner.HyperParameters())
+
+
+def test_importing_the_tune_command_does_not_load_tensorflow():
+    code = (
+        "import argparse, sys; import keras_tfr.tuner as t; "
+        "t.add_tune_arguments(argparse.ArgumentParser()); "
+        "print(sorted(m for m in ('tensorflow', 'keras', 'keras_tuner') if m in sys.modules))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_TFR_GPU")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _script(tmp_path, body: str, name="script.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.mark.subprocess
+def test_launcher_sets_each_processs_environment(tmp_path):
+    from keras_tfr.tuner import tune
+
+    script = _script(
+        tmp_path,
+        """
+        import json, os, sys
+        keys = ["KERASTUNER_TUNER_ID", "KERASTUNER_ORACLE_IP", "KERASTUNER_ORACLE_PORT",
+                "KERAS_TFR_GPU_MEMORY_MB", "CUDA_VISIBLE_DEVICES"]
+        env = {k: os.environ.get(k) for k in keys}
+        env["argv"] = sys.argv[1:]
+        with open(os.path.join(sys.argv[1], env["KERASTUNER_TUNER_ID"] + ".json"), "w") as f:
+            json.dump(env, f)
+        """,
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    result = tune(
+        script, [str(out), "--flag"], workers=3, gpu_memory_mb=512, gpus=["0", "1"],
+        port=None, timeout=120, log_dir=tmp_path / "logs", verbose=False,
+    )  # fmt: skip
+    envs = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(envs) == ["chief", "tuner0", "tuner1", "tuner2"]
+    ports = {e["KERASTUNER_ORACLE_PORT"] for e in envs.values()}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    assert all(e["KERASTUNER_ORACLE_IP"] == "127.0.0.1" for e in envs.values())
+    assert all(e["argv"] == [str(out), "--flag"] for e in envs.values())
+    assert envs["chief"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert envs["chief"]["KERAS_TFR_GPU_MEMORY_MB"] is None
+    assert [envs[f"tuner{i}"]["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "1", "0"]
+    assert all(envs[f"tuner{i}"]["KERAS_TFR_GPU_MEMORY_MB"] == "512" for i in range(3))
+    # The script built no tuner: nothing to report, which is a failure.
+    assert result.returncode == 1
+    assert any("no keras-tuner tuner" in e for e in result.errors)
+    assert sorted(os.listdir(tmp_path / "logs")) == [
+        "chief.log",
+        "tuner0.log",
+        "tuner1.log",
+        "tuner2.log",
+    ]
+
+
+@pytest.mark.subprocess
+def test_launcher_stops_workers_when_the_chief_fails(tmp_path):
+    from keras_tfr.tuner import tune
+
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        if os.environ["KERASTUNER_TUNER_ID"] == "chief":
+            sys.exit(3)
+        time.sleep(300)
+        """,
+    )
+    start = time.monotonic()
+    result = tune(script, workers=2, timeout=200, verbose=False)
+    assert time.monotonic() - start < 60
+    assert result.returncode == 1
+    assert result.returncodes["chief"] == 3
+    assert all(result.returncodes[w] not in (0, None) for w in ("tuner0", "tuner1"))
+    assert any("chief exited with status 3" in e for e in result.errors)
+
+
+@pytest.mark.subprocess
+def test_launcher_stops_a_waiting_chief_when_a_worker_fails(tmp_path):
+    from keras_tfr.tuner import tune
+
+    script = _script(
+        tmp_path,
+        """
+        import os, sys, time
+        if os.environ["KERASTUNER_TUNER_ID"] == "chief":
+            time.sleep(300)  # like an oracle waiting for a trial that will never end
+        sys.exit(4 if os.environ["KERASTUNER_TUNER_ID"] == "tuner1" else 0)
+        """,
+    )
+    start = time.monotonic()
+    result = tune(script, workers=2, timeout=200, verbose=False)
+    assert time.monotonic() - start < 60
+    assert result.returncode == 1
+    assert result.returncodes["tuner0"] == 0 and result.returncodes["tuner1"] == 4
+    assert result.returncodes["chief"] not in (0, None)  # stopped
+    assert any("tuner1 exited with status 4" in e for e in result.errors)
+
+
+@pytest.mark.subprocess
+def test_launcher_timeout_and_bad_arguments(tmp_path):
+    from keras_tfr.cli import main
+    from keras_tfr.tuner import tune
+
+    script = _script(tmp_path, "import time\ntime.sleep(300)\n")
+    start = time.monotonic()
+    result = tune(script, workers=1, timeout=2, verbose=False)
+    assert time.monotonic() - start < 60
+    assert result.returncode == 1 and any("timed out" in e for e in result.errors)
+
+    with pytest.raises(ValueError, match="workers"):
+        tune(script, workers=0)
+    with pytest.raises(FileNotFoundError, match="script"):
+        tune(tmp_path / "missing.py")
+    assert main(["tune", "--workers", "0", script]) == 2
+    assert main(["tune", str(tmp_path / "missing.py")]) == 2
+
+
+DISTRIBUTED_SCRIPT = """
+import json, os, sys
+import keras, keras_tuner
+from keras_tfr import TFRecordSequenceSource
+from keras_tfr.tuner import TFRecordHyperModel, is_worker
+
+train_dir, val_dir, log_path, project = sys.argv[1:5]
+train = TFRecordSequenceSource(train_dir, batch_size=10, seed=0)
+val = TFRecordSequenceSource(val_dir, batch_size=10, shuffle=False)
+
+
+def build(hp):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(hp.Choice("units", [1, 3])),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+class Log(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        line = {"tuner_id": os.environ["KERASTUNER_TUNER_ID"], "pid": os.getpid(),
+                "steps": self.params["steps"], "val_loss": float(logs["val_loss"]),
+                "units": int(self.model.layers[0].units),
+                "batch_size": self.model._test_batch_size}
+        with open(log_path, "a") as f:
+            f.write(json.dumps(line) + "\\n")
+
+
+class HyperModel(TFRecordHyperModel):
+    def build(self, hp):
+        model = build(hp)
+        model._test_batch_size = hp.values["batch_size"]
+        return model
+
+
+tuner = keras_tuner.RandomSearch(HyperModel(batch_size=[20, 50]), objective="val_loss",
+                                 max_trials=4, directory=project, project_name="p",
+                                 overwrite=True, seed=3)
+tuner.search(train, validation_data=val, epochs=1, callbacks=[Log()], verbose=0)
+if not is_worker():
+    best = tuner.get_best_hyperparameters()[0].values
+    with open(log_path + ".best", "w") as f:
+        json.dump(best, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_distributed_search_with_two_workers(data_dirs, tmp_path):
+    from keras_tfr.tuner import tune
+
+    script = _script(tmp_path, DISTRIBUTED_SCRIPT)
+    log_path = tmp_path / "runs.jsonl"
+    project = tmp_path / "project"
+    result = tune(
+        script,
+        [data_dirs["train"], data_dirs["val"], str(log_path), str(project)],
+        workers=2,
+        timeout=400,
+        cwd=tmp_path,
+        log_dir=tmp_path / "logs",
+        verbose=False,
+    )
+    logs = {p.name: p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log")}
+    assert result.returncode == 0, (result.errors, logs)
+    assert result.returncodes == {"chief": 0, "tuner0": 0, "tuner1": 0}
+
+    runs = [json.loads(line) for line in log_path.read_text().splitlines()]
+    # Every trial ran once, in a worker (the chief runs none), with its batch size.
+    assert len(runs) == 4
+    assert {r["tuner_id"] for r in runs} <= {"tuner0", "tuner1"}
+    combos = sorted((r["units"], r["batch_size"]) for r in runs)
+    assert combos == [(1, 20), (1, 50), (3, 20), (3, 50)]  # the whole space, none twice
+    assert all(r["steps"] == math.ceil(N_TRAIN / r["batch_size"]) for r in runs)
+
+    assert result.trials_completed == 4 and len(result.trials) == 4
+    assert os.path.samefile(result.project_dir, project / "p")
+    assert result.objective == "val_loss" and result.direction == "min"
+    best_run = min(runs, key=lambda r: r["val_loss"])
+    assert result.best_hyperparameters == {
+        "units": best_run["units"],
+        "batch_size": best_run["batch_size"],
+    }
+    assert result.best_score == pytest.approx(best_run["val_loss"], rel=1e-5)
+    # The chief's own answer agrees.
+    assert json.loads((tmp_path / "runs.jsonl.best").read_text()) == result.best_hyperparameters

@@ -1,0 +1,224 @@
+"""Variable-length and bytes features: written as blocks with lengths, read padded or ragged."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource, verify
+from keras_tfr.manifest import Manifest
+from keras_tfr.schema import decode_example
+
+
+def _sequences(n=37, seed=0, dtype=np.int32, row=()):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-50, 50, size=(int(rng.integers(0, 7)), *row)).astype(dtype) for _ in range(n)]
+
+
+def _records(directory):
+    m = Manifest.load(directory)
+    out = []
+    for shard in m.shards:
+        for r in tf.data.TFRecordDataset(m.shard_path(shard)):
+            out.append(decode_example(m.features, r.numpy()))
+    return m, out
+
+
+def test_ragged_round_trip_bit_for_bit_in_blocks(tmp_path):
+    seqs = _sequences(row=(2,), dtype=np.float32)
+    y = np.arange(37, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(seqs, y, d, variable_length="x", samples_per_record=5, verbose=0)
+    m, recs = _records(d)
+    (spec,) = m.features_of("x")
+    assert (spec.kind, spec.dtype, spec.shape) == ("ragged", "float32", (2,))
+    assert len(recs) == 8  # 37 samples in blocks of 5: the lengths live in each block
+    back = [a for r in recs for a in r["x"]]
+    assert len(back) == 37
+    for a, b in zip(back, seqs):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    assert verify(d).ok
+
+
+def test_fixed_features_serialize_exactly_as_before(tmp_path, small_xy):
+    x, y = small_xy
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    raw = json.loads(open(os.path.join(d, "manifest.json")).read())
+    assert all("kind" not in f for f in raw["features"])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_source_pads_or_yields_ragged(tmp_path, shuffle):
+    seqs = _sequences()
+    y = np.arange(37, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(seqs, y, d, variable_length=["x"], samples_per_record=4, verbose=0)
+    rag = TFRecordSequenceSource(d, batch_size=8, shuffle=shuffle, seed=3, ragged="ragged")
+    assert len(rag) == 5
+    got = {}
+    for xb, yb in rag:
+        assert isinstance(xb, tf.RaggedTensor)
+        for row, label in zip(xb, yb.numpy()):
+            got[int(label)] = row.numpy()
+    assert sorted(got) == list(range(37))
+    for i, s in enumerate(seqs):
+        assert got[i].dtype == s.dtype and np.array_equal(got[i], s)
+    pad = TFRecordSequenceSource(d, batch_size=8, shuffle=shuffle, seed=3, ragged="pad")
+    fresh = rag.replace()  # a new source: the same first epoch as `pad` for the same seed
+    for (xb, yb), (rb, _) in zip(pad, fresh):
+        assert isinstance(xb, tf.Tensor)
+        assert xb.shape[1] == int(tf.reduce_max(rb.row_lengths()))
+        assert np.array_equal(xb.numpy(), rb.to_tensor().numpy())
+
+
+def test_shuffle_order_of_fixed_features_unchanged_by_a_ragged_feature(tmp_path):
+    """Adding a ragged feature must not change the seeded order of the others."""
+    y = np.arange(50, dtype=np.int64)
+    seqs = [np.full(i % 5, i, np.int16) for i in range(50)]
+    a = str(tmp_path / "a")
+    b = str(tmp_path / "b")
+    ArraysToRecords.from_arrays(y.astype(np.float32), y, a, samples_per_record=4, verbose=0)
+    ArraysToRecords.from_arrays(
+        {"v": y.astype(np.float32), "s": seqs}, y, b, samples_per_record=4, verbose=0,
+        variable_length=["x/s"],
+    )
+    order_a = np.concatenate([yb.numpy() for _, yb in TFRecordSequenceSource(a, 8, seed=1)])
+    src_b = TFRecordSequenceSource(b, 8, seed=1)
+    order_b, rows = [], []
+    for xb, yb in src_b:
+        order_b.extend(yb.numpy())
+        rows.extend(zip(yb.numpy(), xb["s"].numpy(), xb["v"].numpy()))
+    assert np.array_equal(order_a, order_b)
+    for label, padded, v in rows:  # every feature of a sample stays together
+        assert v == label and np.array_equal(padded[: label % 5], np.full(label % 5, label))
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    return tf.io.encode_png(pixels).numpy()
+
+
+def test_bytes_feature_decoded_with_user_function(tmp_path):
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, size=(6, 5, 3), dtype=np.uint8) for _ in range(21)]
+    for i, im in enumerate(images):
+        im[: i % 6] = 7  # flat rows compress: the PNGs differ in length
+    pngs = [_png(im) for im in images]
+    assert len({len(p) for p in pngs}) > 1  # really variable-length
+    labels = np.arange(21, dtype=np.int32)
+    d = str(tmp_path / "ds")
+    obj = np.empty(len(pngs), dtype=object)
+    for i, p in enumerate(pngs):
+        obj[i] = p
+    ArraysToRecords.from_arrays(obj, labels, d, samples_per_record=4, verbose=0)  # detected
+    assert Manifest.load(d).features_of("x")[0].kind == "bytes"
+    raw = TFRecordSequenceSource(d, batch_size=5, shuffle=False)
+    assert [s for xb, _ in raw for s in xb.numpy()] == pngs
+    src = TFRecordSequenceSource(
+        d, batch_size=5, shuffle=True, seed=0, decode={"x": lambda s: tf.io.decode_png(s, 3)}
+    )
+    seen = 0
+    for xb, yb in src:
+        assert xb.dtype == tf.uint8 and xb.shape[1:] == (6, 5, 3)
+        for im, label in zip(xb.numpy(), yb.numpy()):
+            assert np.array_equal(im, images[label])
+            seen += 1
+    assert seen == 21
+    assert verify(d).ok
+
+
+def test_variable_feature_trains_a_model(tmp_path):
+    import keras
+
+    seqs = _sequences(n=40, seed=1)
+    seqs = [np.abs(s) + 1 for s in seqs]
+    y = np.array([len(s) for s in seqs], dtype=np.float32)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(seqs, y, d, variable_length="x", verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=8, seed=0)
+    model = keras.Sequential([keras.layers.Embedding(60, 4), keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    history = model.fit(src, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([{"a": 1}, {"b": 2}], "dict"),
+        (["text", "more"], "encode strings"),
+        ([np.zeros(3, np.float32), np.zeros(2, np.int64)], "dtype float32"),
+        ([np.zeros((2, 3)), np.zeros((2, 4))], "shape"),
+        ([np.zeros(2, np.complex64)], "dtypes"),
+        ([b"ok", np.zeros(2)], "byte strings"),
+    ],
+)
+def test_unsupported_object_values_are_refused(tmp_path, bad, match):
+    obj = np.empty(len(bad), dtype=object)
+    for i, v in enumerate(bad):
+        obj[i] = v
+    with pytest.raises((TypeError, ValueError), match=match):
+        ArraysToRecords.from_arrays(obj, str(tmp_path / "ds"), verbose=0)
+    assert not os.path.exists(tmp_path / "ds" / "manifest.json")
+
+
+def test_two_dimensional_object_arrays_still_refused(tmp_path):
+    obj = np.empty((3, 2), dtype=object)
+    obj[:] = 1
+    with pytest.raises(TypeError, match="dtype"):
+        ArraysToRecords.from_arrays(obj, str(tmp_path / "ds"), verbose=0)
+
+
+def test_kind_must_stay_the_same_across_batches(tmp_path):
+    with ArraysToRecords(str(tmp_path / "ds"), verbose=0, variable_length=["x"]) as w:
+        w.write([np.zeros(2, np.float32)])
+        with pytest.raises(ValueError, match="across batches"):
+            w.write([b"bytes now"])
+        w.write([np.ones(3, np.float32)])
+    m, recs = _records(str(tmp_path / "ds"))
+    assert [len(a) for r in recs for a in r["x"]] == [2, 3]
+
+
+def test_resume_with_a_variable_feature(tmp_path):
+    seqs = _sequences(n=60)
+    d = str(tmp_path / "ds")
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with ArraysToRecords(d, samples_per_record=5, shard_size=200, verbose=0,
+                             variable_length="x") as w:
+            w.write(seqs[:30])
+            raise Boom
+    with ArraysToRecords(d, samples_per_record=5, resume=True, verbose=0,
+                         variable_length="x") as w:
+        assert 0 < w.resumed_samples <= 30
+        w.write(seqs[w.resumed_samples:])
+    _, recs = _records(d)
+    back = [a for r in recs for a in r["x"]]
+    assert len(back) == 60 and all(np.array_equal(a, b) for a, b in zip(back, seqs))
+
+
+def test_verify_names_a_shard_whose_lengths_do_not_add_up(tmp_path):
+    from keras_tfr.schema import BlockEncoder, FeatureSpec
+    from keras_tfr.verify import verify_shard
+
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(_sequences(n=10), d, variable_length="x", verbose=0,
+                                samples_per_record=10)
+    m = Manifest.load(d)
+    enc = BlockEncoder([FeatureSpec("x", "", "int32", (), "ragged")])
+    bad = enc.encode(2, [(b"\0" * 12, np.array([1, 1], "<i8").tobytes())])  # 12 bytes != 2*4
+    path = m.shard_path(m.shards[0])
+    with tf.io.TFRecordWriter(path) as w:
+        w.write(bad)
+    problems = verify_shard(m, m.shards[0])
+    assert any("need 8" in p for p in problems), problems
+    _ = io  # noqa: F841
