@@ -401,7 +401,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C."""
     if args.workers < 0:
-        print(f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr)
+        print(
+            f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr
+        )
         return 2
     if args.dispatcher is not None and args.workers == 0:
         print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
@@ -418,9 +420,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for address in cluster.worker_addresses:
         print(f"worker: {address}", flush=True)
     if cluster.target is not None:
-        print(
-            f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True
-        )
+        print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
     print("serving; press Ctrl-C to stop", flush=True)
 
     def on_term(signum, frame):

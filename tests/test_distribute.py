@@ -45,7 +45,12 @@ def test_workers_see_every_sample_once_with_equal_steps(ids_dataset, num_workers
     seen, steps = [], set()
     for w in range(num_workers):
         source = TFRecordSequenceSource(
-            ids_dataset, batch_size=6, shuffle=shuffle, seed=1, num_workers=num_workers, worker_index=w
+            ids_dataset,
+            batch_size=6,
+            shuffle=shuffle,
+            seed=1,
+            num_workers=num_workers,
+            worker_index=w,
         )
         ids, sizes = _ids(source)
         assert len(sizes) == len(source) == int(source.cardinality())
@@ -56,8 +61,7 @@ def test_workers_see_every_sample_once_with_equal_steps(ids_dataset, num_workers
     assert len(steps) == 1, f"workers disagree on the step count: {steps}"
     assert sorted(seen) == list(range(N))
     # The largest share decides the step count: no worker has a batch to spare.
-    shares = [len(r) * 4 for r in np.array_split(np.arange(25), num_workers)]
-    shares[-1] -= 0  # 100 = 25 records of 4, no short record
+    shares = [len(r) * 4 for r in np.array_split(np.arange(25), num_workers)]  # 4 per record
     assert steps == {max(math.ceil(s / 6) for s in shares)}
 
 
@@ -289,7 +293,9 @@ def _run_workers(tmp_path, mode, directory, batch, tf_configs):
         outs.append(out)
         cmd = [sys.executable, str(script), mode, directory, str(batch), str(out)]
         procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
         )
     try:
         logs = [p.communicate(timeout=420)[0] for p in procs]

@@ -53,15 +53,15 @@ def test_layouts_with_targets(make_dataset, tmp_path, small_xy):
     predict_to_records(teacher, src, str(tmp_path / "a"), keep_targets=True, verbose=0)
     pb, yb = _read(str(tmp_path / "a"))
     assert pb.shape == (34, 4) and np.array_equal(yb.numpy(), y)
-    predict_to_records(teacher, src, str(tmp_path / "b"), keep_inputs=True, keep_targets=True,
-                       verbose=0)
-    xb, yd = _read(str(tmp_path / "b"))
+    predict_to_records(
+        teacher, src, str(tmp_path / "b"), keep_inputs=True, keep_targets=True, verbose=0
+    )
+    _, yd = _read(str(tmp_path / "b"))
     assert set(yd) == {"predictions", "targets"} and np.array_equal(yd["targets"].numpy(), y)
     assert np.array_equal(yd["predictions"].numpy(), pb.numpy())
     with pytest.raises(ValueError, match="keep_targets"):
         inputs_only = TFRecordSequenceSource(make_dataset(x, name="xo"), 16, shuffle=False)
-        predict_to_records(teacher, inputs_only, str(tmp_path / "c"), keep_targets=True,
-                           verbose=0)
+        predict_to_records(teacher, inputs_only, str(tmp_path / "c"), keep_targets=True, verbose=0)
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 

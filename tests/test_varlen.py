@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
@@ -17,7 +16,9 @@ from keras_tfr.schema import decode_example
 
 def _sequences(n=37, seed=0, dtype=np.int32, row=()):
     rng = np.random.default_rng(seed)
-    return [rng.integers(-50, 50, size=(int(rng.integers(0, 7)), *row)).astype(dtype) for _ in range(n)]
+    return [
+        rng.integers(-50, 50, size=(int(rng.integers(0, 7)), *row)).astype(dtype) for _ in range(n)
+    ]
 
 
 def _records(directory):
@@ -49,7 +50,8 @@ def test_fixed_features_serialize_exactly_as_before(tmp_path, small_xy):
     x, y = small_xy
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(x, y, d, verbose=0)
-    raw = json.loads(open(os.path.join(d, "manifest.json")).read())
+    with open(os.path.join(d, "manifest.json")) as f:
+        raw = json.load(f)
     assert all("kind" not in f for f in raw["features"])
 
 
@@ -71,7 +73,7 @@ def test_source_pads_or_yields_ragged(tmp_path, shuffle):
         assert got[i].dtype == s.dtype and np.array_equal(got[i], s)
     pad = TFRecordSequenceSource(d, batch_size=8, shuffle=shuffle, seed=3, ragged="pad")
     fresh = rag.replace()  # a new source: the same first epoch as `pad` for the same seed
-    for (xb, yb), (rb, _) in zip(pad, fresh):
+    for (xb, _), (rb, _) in zip(pad, fresh):
         assert isinstance(xb, tf.Tensor)
         assert xb.shape[1] == int(tf.reduce_max(rb.row_lengths()))
         assert np.array_equal(xb.numpy(), rb.to_tensor().numpy())
@@ -85,7 +87,11 @@ def test_shuffle_order_of_fixed_features_unchanged_by_a_ragged_feature(tmp_path)
     b = str(tmp_path / "b")
     ArraysToRecords.from_arrays(y.astype(np.float32), y, a, samples_per_record=4, verbose=0)
     ArraysToRecords.from_arrays(
-        {"v": y.astype(np.float32), "s": seqs}, y, b, samples_per_record=4, verbose=0,
+        {"v": y.astype(np.float32), "s": seqs},
+        y,
+        b,
+        samples_per_record=4,
+        verbose=0,
         variable_length=["x/s"],
     )
     order_a = np.concatenate([yb.numpy() for _, yb in TFRecordSequenceSource(a, 8, seed=1)])
@@ -141,8 +147,13 @@ def test_variable_feature_trains_a_model(tmp_path):
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(seqs, y, d, variable_length="x", verbose=0)
     src = TFRecordSequenceSource(d, batch_size=8, seed=0)
-    model = keras.Sequential([keras.layers.Embedding(60, 4), keras.layers.GlobalAveragePooling1D(),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [
+            keras.layers.Embedding(60, 4),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+    )
     model.compile("adam", "mse")
     history = model.fit(src, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
@@ -181,7 +192,7 @@ def test_kind_must_stay_the_same_across_batches(tmp_path):
         with pytest.raises(ValueError, match="across batches"):
             w.write([b"bytes now"])
         w.write([np.ones(3, np.float32)])
-    m, recs = _records(str(tmp_path / "ds"))
+    _, recs = _records(str(tmp_path / "ds"))
     assert [len(a) for r in recs for a in r["x"]] == [2, 3]
 
 
@@ -192,15 +203,17 @@ def test_resume_with_a_variable_feature(tmp_path):
     class Boom(Exception):
         pass
 
-    with pytest.raises(Boom):
-        with ArraysToRecords(d, samples_per_record=5, shard_size=200, verbose=0,
-                             variable_length="x") as w:
-            w.write(seqs[:30])
-            raise Boom
-    with ArraysToRecords(d, samples_per_record=5, resume=True, verbose=0,
-                         variable_length="x") as w:
+    with (
+        pytest.raises(Boom),
+        ArraysToRecords(
+            d, samples_per_record=5, shard_size=200, verbose=0, variable_length="x"
+        ) as w,
+    ):
+        w.write(seqs[:30])
+        raise Boom
+    with ArraysToRecords(d, samples_per_record=5, resume=True, verbose=0, variable_length="x") as w:
         assert 0 < w.resumed_samples <= 30
-        w.write(seqs[w.resumed_samples:])
+        w.write(seqs[w.resumed_samples :])
     _, recs = _records(d)
     back = [a for r in recs for a in r["x"]]
     assert len(back) == 60 and all(np.array_equal(a, b) for a, b in zip(back, seqs))
@@ -211,8 +224,9 @@ def test_verify_names_a_shard_whose_lengths_do_not_add_up(tmp_path):
     from keras_tfr.verify import verify_shard
 
     d = str(tmp_path / "ds")
-    ArraysToRecords.from_arrays(_sequences(n=10), d, variable_length="x", verbose=0,
-                                samples_per_record=10)
+    ArraysToRecords.from_arrays(
+        _sequences(n=10), d, variable_length="x", verbose=0, samples_per_record=10
+    )
     m = Manifest.load(d)
     enc = BlockEncoder([FeatureSpec("x", "", "int32", (), "ragged")])
     bad = enc.encode(2, [(b"\0" * 12, np.array([1, 1], "<i8").tobytes())])  # 12 bytes != 2*4
@@ -221,4 +235,3 @@ def test_verify_names_a_shard_whose_lengths_do_not_add_up(tmp_path):
         w.write(bad)
     problems = verify_shard(m, m.shards[0])
     assert any("need 8" in p for p in problems), problems
-    _ = io  # noqa: F841
