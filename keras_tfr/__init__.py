@@ -27,8 +27,12 @@ __all__ = [
     "ManifestError",
     "ShardError",
     "TFRecordSequenceSource",
+    "TensorFeature",
     "__version__",
+    "convert_tfrecords",
+    "distribute_source",
     "limit_gpu_memory",
+    "predict_to_records",
     "verify",
 ]
 
@@ -37,6 +41,10 @@ _LAZY = {
     "TFRecordSequenceSource": "keras_tfr.source",
     "limit_gpu_memory": "keras_tfr.gpu",
     "verify": "keras_tfr.verify",
+    "predict_to_records": "keras_tfr.predict",
+    "TensorFeature": "keras_tfr.tfrecords",
+    "convert_tfrecords": "keras_tfr.tfrecords",
+    "distribute_source": "keras_tfr.distribute",
     "Manifest": "keras_tfr.manifest",
     "CorruptRecordError": "keras_tfr.errors",
     "DatasetExistsError": "keras_tfr.errors",
@@ -60,6 +68,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from keras_tfr.gpu import limit_gpu_memory
     from keras_tfr.manifest import Manifest
     from keras_tfr.source import TFRecordSequenceSource
+    from keras_tfr.distribute import distribute_source
+    from keras_tfr.predict import predict_to_records
+    from keras_tfr.tfrecords import TensorFeature, convert_tfrecords
     from keras_tfr.verify import verify
     from keras_tfr.writer import ArraysToRecords
 

@@ -415,7 +415,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
 
         def read_fixed_shard(path, first_record, n_records):
-            records = tf.data.TFRecordDataset(path, compression, buffer_size=_READ_BUFFER)
+            records = _records_or_empty(path, compression)
             end = tf.data.Dataset.from_tensors(tf.constant(b""))  # records are never empty
             indexed = records.ignore_errors().concatenate(end).enumerate()
 
@@ -435,7 +435,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         def read_shard(path, first_record, n_records):
             if fixed_layout:
                 return read_fixed_shard(path, first_record, n_records)
-            records = tf.data.TFRecordDataset(path, compression, buffer_size=_READ_BUFFER)
+            records = _records_or_empty(path, compression)
             # TensorFlow's reader ends a shard at its first bad record; ignore_errors turns
             # that into a short shard, which the scan below detects, names and counts.
             records = records.ignore_errors().map(lambda r: (r, False))
@@ -649,6 +649,20 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values[0] if len(values) == 1 else values
 
         return fn
+
+
+def _records_or_empty(path, compression: str):
+    """`TFRecordDataset` of one shard; empty when the file does not exist.
+
+    A file that cannot be opened makes `ignore_errors` retry it forever (TensorFlow's
+    reader moves on after a bad record, not after a failed open), so a shard deleted after
+    the source was built would hang the pipeline. Reading nothing instead lets the
+    shard-end check name it, at byte offset 0. One glob per shard and epoch, with the
+    path's wildcard characters escaped.
+    """
+    pattern = tf.strings.regex_replace(path, r"([*?\[\]\\])", r"\\\1")
+    found = tf.io.matching_files(pattern)[:1]
+    return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)
 
 
 def not_(t):

@@ -280,6 +280,9 @@ class _HyperModelMixin:
         Returns:
             The `History` of ``model.fit``.
         """
+        # The previous trial's model and pipelines are garbage by now (keras-tuner clears
+        # the Keras session before each build): hand their memory back to the system.
+        _release_memory()
         if batch_size is None:
             batch_size = _resolve(hp, _HP_BATCH, self.batch_size)
         shuffle_memory = _resolve(hp, _HP_SHUFFLE, self.shuffle_memory)
@@ -298,6 +301,25 @@ class _HyperModelMixin:
         # tuner itself clears the Keras session before each build.
         del x, validation_data
         return history
+
+
+def _release_memory() -> None:
+    """Collects garbage and returns freed heap pages to the system (glibc only).
+
+    Without ``malloc_trim`` the memory of a finished trial's pipelines (shuffle buffers,
+    decoded pools, freed by tf.data's threads in their own malloc arenas) stays in the
+    process, counted in its RSS, until glibc happens to reuse it.
+    """
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 _HYPERMODEL_CLASS: type | None = None

@@ -111,12 +111,14 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
     last_shard = shard.file == manifest.shards[-1].file
     size_problems = len(problems)
     record_index = 0
+    end_offset: int | None = 0  # where the records read so far end (uncompressed only)
     try:
         for offset, record in _iter_records(path, manifest.compression):
             where = f"record {record_index}" + (
                 f" at byte offset {offset}" if offset is not None else ""
             )
             crc = zlib.crc32(record, crc)
+            end_offset = None if offset is None else offset + len(record) + 16
             try:
                 fields = parse_example_bytes(record)
             except ProtoError as e:
@@ -155,8 +157,14 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
         )
         problems.append(f"{where}: corrupt ({type(e.cause).__name__}: {str(e.cause)[:200]})")
         return problems
-    if problems:
+    if len(problems) > size_problems:
         return problems
+    if end_offset is not None and manifest.compression is None and end_offset < actual:
+        # Fewer than a record header's 12 bytes left: the reader calls that end of file.
+        problems.append(
+            f"record {record_index} at byte offset {end_offset}: truncated "
+            f"({actual - end_offset} bytes that are not a whole record)"
+        )
     if records != shard.records or samples != shard.samples:
         problems.append(
             f"holds {records} records / {samples} samples, the manifest records "
