@@ -9,7 +9,14 @@ from typing import Any
 # (description, group, shape, numerator pipeline, denominator pipeline, minimum ratio)
 TARGETS = [
     ("read small >= 7x tutorial", "read", "small", "keras-tfr", "tutorial", 7.0),
-    ("read small >= 2x from_tensor_slices", "read", "small", "keras-tfr", "from_tensor_slices", 2.0),
+    (
+        "read small >= 2x from_tensor_slices",
+        "read",
+        "small",
+        "keras-tfr",
+        "from_tensor_slices",
+        2.0,
+    ),
     ("read large >= 2x tutorial", "read", "large", "keras-tfr", "tutorial", 2.0),
     ("read large >= 25% of raw page-cache read", "read", "large", "keras-tfr", "raw-read", 0.25),
     ("fit small >= in-memory NumPy fit", "fit", "small", "keras-tfr", "numpy", 1.0),

@@ -209,7 +209,9 @@ def work_gen_formats(p: dict[str, str]) -> dict[str, Any]:
             ex = tf.train.Example(
                 features=tf.train.Features(
                     feature={
-                        "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[x[i].tobytes()])),
+                        "x": tf.train.Feature(
+                            bytes_list=tf.train.BytesList(value=[x[i].tobytes()])
+                        ),
                         "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(y[i])])),
                     }
                 )
@@ -362,9 +364,7 @@ def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[s
     import keras
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input(shape), keras.layers.Flatten(), keras.layers.Dense(10)]
-    )
+    model = keras.Sequential([keras.Input(shape), keras.layers.Flatten(), keras.layers.Dense(10)])
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -515,20 +515,32 @@ def main(argv: list[str] | None = None) -> int:
             log(f"generating {shape_name}: {n} x {shape} float32")
             run_worker({**base, "kind": "gen", "samples": n})
             for pipeline in WRITE_PIPELINES:  # also writes the keras-tfr / tutorial data
-                add("write", shape_name, pipeline, run_worker({**base, "kind": "write",
-                                                               "pipeline": pipeline}))
+                add(
+                    "write",
+                    shape_name,
+                    pipeline,
+                    run_worker({**base, "kind": "write", "pipeline": pipeline}),
+                )
             if groups & {"read", "fit"}:
                 res = run_worker({**base, "kind": "gen_formats"})
                 if res.get("error") or res.get("arrayrecord_error"):
                     log(f"gen_formats: {res}")
             if "read" in groups:
                 for pipeline in READ_PIPELINES:
-                    add("read", shape_name, pipeline, run_worker({**base, "kind": "read",
-                                                                  "pipeline": pipeline}))
+                    add(
+                        "read",
+                        shape_name,
+                        pipeline,
+                        run_worker({**base, "kind": "read", "pipeline": pipeline}),
+                    )
             if "fit" in groups:
                 for pipeline in FIT_PIPELINES:
-                    add("fit", shape_name, pipeline, run_worker({**base, "kind": "fit",
-                                                                 "pipeline": pipeline}))
+                    add(
+                        "fit",
+                        shape_name,
+                        pipeline,
+                        run_worker({**base, "kind": "fit", "pipeline": pipeline}),
+                    )
             if not args.keep_data:
                 p = _paths(data, shape_name)
                 for key in ("tutorial", "raw", "arrayrecord", "tfsave", "npsave"):
@@ -546,15 +558,29 @@ def main(argv: list[str] | None = None) -> int:
                 }
             for scale in (1, 4):
                 n = scale * (cfg["samples"] // frac)
-                base = {"data": data, "shape_name": shape_name, "shape": list(shape),
-                        "scale": scale}
+                base = {
+                    "data": data,
+                    "shape_name": shape_name,
+                    "shape": list(shape),
+                    "scale": scale,
+                }
                 if scale != 1 or not os.path.exists(_paths(data, shape_name)["x"]):
                     log(f"generating {shape_name} x{scale}: {n} samples")
                     run_worker({**base, "kind": "gen", "samples": n})
-                add("rss", shape_name, "write keras-tfr",
-                    run_worker({**base, "kind": "write", "pipeline": "keras-tfr"}), scale)
-                add("rss", shape_name, "read keras-tfr",
-                    run_worker({**base, "kind": "read", "pipeline": "keras-tfr"}), scale)
+                add(
+                    "rss",
+                    shape_name,
+                    "write keras-tfr",
+                    run_worker({**base, "kind": "write", "pipeline": "keras-tfr"}),
+                    scale,
+                )
+                add(
+                    "rss",
+                    shape_name,
+                    "read keras-tfr",
+                    run_worker({**base, "kind": "read", "pipeline": "keras-tfr"}),
+                    scale,
+                )
                 if scale != 1 and not args.keep_data:
                     shutil.rmtree(_paths(data, shape_name, scale)["base"], ignore_errors=True)
     finally:

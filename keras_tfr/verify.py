@@ -85,6 +85,26 @@ def _iter_records(path: str, compression: str | None):
         yield None, record
 
 
+def _check_compressed_stream(path: str, compression: str) -> str | None:
+    """Checks a GZIP / ZLIB file's own framing (its trailer CRC and length), which
+    TensorFlow's reader does not: damage there is harmless to the records but is damage."""
+    d = zlib.decompressobj(31 if compression == "GZIP" else 15)
+    try:
+        with _io.open_read(path) as f:
+            while not d.eof:
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    return f"compressed stream ends early ({compression} trailer missing)"
+                while chunk and not d.eof:
+                    d.decompress(chunk, 1 << 20)  # bounded output; the data itself is not kept
+                    chunk = d.unconsumed_tail
+            if d.unused_data or f.read(1):
+                return f"bytes after the end of the {compression} stream"
+    except zlib.error as e:
+        return f"{compression} stream is damaged ({e})"
+    return None
+
+
 class _RecordError(Exception):
     def __init__(self, offset, cause):
         super().__init__(str(cause))
@@ -159,6 +179,10 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
         return problems
     if len(problems) > size_problems:
         return problems
+    if manifest.compression is not None:
+        stream_problem = _check_compressed_stream(path, manifest.compression)
+        if stream_problem:
+            problems.append(stream_problem)
     if end_offset is not None and manifest.compression is None and end_offset < actual:
         # Fewer than a record header's 12 bytes left: the reader calls that end of file.
         problems.append(

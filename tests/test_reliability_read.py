@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import warnings
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -44,21 +46,21 @@ def _frame(m):
 
 
 def _flip(path, pos, bit=0x04):
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     raw[pos] ^= bit
-    open(path, "wb").write(raw)
+    Path(path).write_bytes(raw)
 
 
 def _cut(path, length):
-    raw = open(path, "rb").read()
-    open(path, "wb").write(raw[:length])
+    raw = Path(path).read_bytes()
+    Path(path).write_bytes(raw[:length])
 
 
 def _edit_manifest(d, fn):
     p = os.path.join(d, MANIFEST_NAME)
-    obj = json.load(open(p))
+    obj = json.loads(Path(p).read_text())
     fn(obj)
-    json.dump(obj, open(p, "w"))
+    Path(p).write_text(json.dumps(obj))
 
 
 def _drain(src):
@@ -141,7 +143,7 @@ def test_open_refuses_missing_or_incomplete_dataset(tmp_path, dataset):
         TFRecordSequenceSource(str(tmp_path / "empty"), batch_size=8)
     d = dataset[0]
     os.remove(os.path.join(d, MANIFEST_NAME))
-    open(os.path.join(d, ".keras-tfr-progress.json"), "w").write("{}")
+    Path(os.path.join(d, ".keras-tfr-progress.json")).write_text("{}")
     with pytest.raises(IncompleteDatasetError, match="resume=True"):
         TFRecordSequenceSource(d, batch_size=8)
 
@@ -169,7 +171,7 @@ def test_flipped_byte_is_reported_with_file_and_offset(dataset, shard, record, s
 
 @pytest.mark.parametrize("where", ["length", "length_crc", "data_crc"])
 def test_damaged_framing_is_reported_too(dataset, where):
-    d, x, _, m = dataset
+    d, _x, _, m = dataset
     path = os.path.join(d, m.shards[2].file)
     record = 5
     pos = record * _frame(m) + {"length": 1, "length_crc": 9, "data_crc": _frame(m) - 2}[where]
@@ -197,13 +199,34 @@ def test_truncated_shard_is_reported_with_file_and_offset(dataset, cut_in_record
         _check_samples(good, x)  # what came through before the error is intact
 
 
-def test_deleted_shard_after_opening_is_named(dataset):
+def test_deleted_shard_after_opening_is_named_not_a_hang(dataset):
+    """TensorFlow's reader retries a file it cannot open forever under `ignore_errors`."""
     d, _, _, m = dataset
-    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False)
     path = os.path.join(d, m.shards[2].file)
+    sources = {
+        on_corrupt: TFRecordSequenceSource(d, batch_size=8, shuffle=False, on_corrupt=on_corrupt)
+        for on_corrupt in ("raise", "skip")
+    }
     os.remove(path)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=f"in {path} at byte offset 0"):
-        _drain(src)
+    for on_corrupt, src in sources.items():
+        result = {}
+
+        def drain(src=src, result=result):
+            try:
+                result["batches"] = _drain(src)
+            except Exception as e:
+                result["error"] = e
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the reader hung on a deleted shard"
+        if on_corrupt == "raise":
+            assert isinstance(result.get("error"), tf.errors.InvalidArgumentError)
+            assert f"in {path} at byte offset 0" in result["error"].message
+        else:
+            assert len(result["batches"]) == len(src)
+            assert src.corrupt_records == RECORDS_PER_SHARD
 
 
 # ------------------------------------------------------------------ corruption, skip mode
@@ -216,7 +239,7 @@ def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog):
     steps = len(src)
     _flip(path, 10 * _frame(m) + 50)
     with caplog.at_level(logging.WARNING, logger="keras_tfr"):
-        for epoch in range(3):
+        for _epoch in range(3):
             batches = _drain(src)
             assert len(batches) == steps == N // 8, "the epoch is filled to the announced length"
             # The fill starts a new pass, so one batch in the middle may be partial.
@@ -308,7 +331,7 @@ def test_keras_fit_in_raise_mode_stops_with_the_file_name(dataset):
 
 
 def test_verify_passes_a_sound_dataset(dataset):
-    d, _, _, m = dataset
+    d, _, _, _m = dataset
     report = verify(d)
     assert report.ok and report.problems == {}
     assert (report.shards_checked, report.records_checked, report.samples_checked) == (4, 60, N)
@@ -327,7 +350,9 @@ def test_verify_names_every_bad_shard(dataset):
         f"record 4 at byte offset {4 * _frame(m)}: corrupt" in p for p in report.problems[f[0]]
     )
     assert any("the manifest records" in p for p in report.problems[f[2]])
-    assert any(f"record 6 at byte offset {6 * _frame(m)}: truncated" in p for p in report.problems[f[2]])
+    assert any(
+        f"record 6 at byte offset {6 * _frame(m)}: truncated" in p for p in report.problems[f[2]]
+    )
     assert any("holds 6 records / 24 samples" in p for p in report.problems[f[2]])
     summary = report.summary()
     assert summary.startswith("FAILED") and f[0] in summary and f[2] in summary
@@ -376,7 +401,9 @@ def test_verify_reports_records_that_pass_their_crc_but_break_the_schema(dataset
         w.write(b"not an example at all")
     report = verify(d)
     assert list(report.problems) == [m.shards[2].file]
-    assert any("record 1" in p and "holds 2 samples, not 4" in p for p in report.problems[m.shards[2].file])
+    assert any(
+        "record 1" in p and "holds 2 samples, not 4" in p for p in report.problems[m.shards[2].file]
+    )
     # The reader refuses it at opening: the size no longer matches.
     with pytest.raises(ShardError, match=m.shards[2].file):
         TFRecordSequenceSource(d, batch_size=8)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,11 +43,11 @@ def _dir_files(d):
 
 def _shard_bytes(d):
     m = Manifest.load(d)
-    return [open(os.path.join(d, s.file), "rb").read() for s in m.shards]
+    return [Path(os.path.join(d, s.file)).read_bytes() for s in m.shards]
 
 
 def _manifest_json(d):
-    obj = json.load(open(os.path.join(d, MANIFEST_NAME)))
+    obj = json.loads(Path(os.path.join(d, MANIFEST_NAME)).read_text())
     obj.pop("created")
     return obj
 
@@ -69,7 +70,7 @@ def _no_dataset_written(d):
     if not os.path.exists(d):
         return True
     names = os.listdir(d)
-    return not any(n == MANIFEST_NAME or n.startswith("shard-") or n == PROGRESS_NAME for n in names)
+    return not any(n in (MANIFEST_NAME, PROGRESS_NAME) or n.startswith("shard-") for n in names)
 
 
 # ------------------------------------------------------------------ bad input, refused early
@@ -123,7 +124,7 @@ def test_changing_shape_dtype_or_structure_between_writes_is_refused(tmp_path):
         w.write(x[:10], y[:10])
         with pytest.raises(ValueError, match=r"per-sample shape \(16,\).*shape \(8,\)"):
             w.write(x[10:20, :8], y[10:20])
-        with pytest.raises(ValueError, match="dtype float32.*dtype float64"):
+        with pytest.raises(ValueError, match=r"dtype float32.*dtype float64"):
             w.write(x[10:20].astype(np.float64), y[10:20])
         with pytest.raises(ValueError, match="structure of the first"):
             w.write(x[10:20])  # y missing
@@ -158,9 +159,11 @@ def test_empty_iterable_or_no_write_leaves_no_dataset(tmp_path):
     with pytest.raises(ValueError, match="No samples were written"):
         ArraysToRecords.from_arrays(iter([]), directory=d, verbose=0)
     assert _no_dataset_written(d)
-    with pytest.raises(ValueError, match="No samples were written"):
-        with ArraysToRecords(d, verbose=0):
-            pass
+    with (
+        pytest.raises(ValueError, match="No samples were written"),
+        ArraysToRecords(d, verbose=0),
+    ):
+        pass
     assert _no_dataset_written(d)
     assert not os.path.exists(os.path.join(d, LOCK_NAME))
 
@@ -249,11 +252,10 @@ def test_sample_weight_without_y_is_refused(tmp_path):
 def test_exception_inside_with_leaves_no_manifest(tmp_path, exc, after):
     d = str(tmp_path / "ds")
     x, y = _data()
-    with pytest.raises(exc):
-        with ArraysToRecords(d, **LAYOUT) as w:
-            if after:
-                w.write(x[:after], y[:after])
-            raise exc("stop")
+    with pytest.raises(exc), ArraysToRecords(d, **LAYOUT) as w:
+        if after:
+            w.write(x[:after], y[:after])
+        raise exc("stop")
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     assert not any(n.endswith(".tmp") for n in os.listdir(d)), "unfinished shard removed"
     assert not os.path.exists(os.path.join(d, LOCK_NAME)), "lock released"
@@ -295,13 +297,12 @@ def test_error_while_writing_aborts_and_keeps_completed_shards_for_resume(tmp_pa
 def test_existing_dataset_is_refused_and_left_intact(make_dataset, tmp_path):
     x, y = _data()
     d = make_dataset(x, y, **{k: v for k, v in LAYOUT.items() if k != "verbose"})
-    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    before = {n: Path(os.path.join(d, n)).read_bytes() for n in os.listdir(d)}
     with pytest.raises(DatasetExistsError, match="overwrite=True"):
         ArraysToRecords.from_arrays(x[:10], y[:10], d, verbose=0)
-    with pytest.raises(DatasetExistsError):
-        with ArraysToRecords(d, verbose=0) as w:
-            w.write(x[:10], y[:10])
-    after = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    with pytest.raises(DatasetExistsError), ArraysToRecords(d, verbose=0) as w:
+        w.write(x[:10], y[:10])
+    after = {n: Path(os.path.join(d, n)).read_bytes() for n in os.listdir(d)}
     assert after == before
 
 
@@ -322,30 +323,33 @@ def test_overwrite_removes_shards_named_by_the_old_manifest(make_dataset):
     d = make_dataset(x, y, samples_per_record=4, min_shards=2)
     # A data set whose shards another tool named differently.
     mpath = os.path.join(d, MANIFEST_NAME)
-    obj = json.load(open(mpath))
+    obj = json.loads(Path(mpath).read_text())
     for i, s in enumerate(obj["shards"]):
         new = f"train-{i}-of-{len(obj['shards'])}.tfrecord"
         os.rename(os.path.join(d, s["file"]), os.path.join(d, new))
         s["file"] = new
-    json.dump(obj, open(mpath, "w"))
+    Path(mpath).write_text(json.dumps(obj))
     assert verify(d).ok
-    m = ArraysToRecords.from_arrays(x[:8], y[:8], d, overwrite=True, samples_per_record=4, verbose=0)
+    m = ArraysToRecords.from_arrays(
+        x[:8], y[:8], d, overwrite=True, samples_per_record=4, verbose=0
+    )
     assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
 
 
 def test_overwrite_with_bad_input_keeps_the_old_dataset(make_dataset):
     x, y = _data()
     d = make_dataset(x, y, samples_per_record=4)
-    before = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    before = {n: Path(os.path.join(d, n)).read_bytes() for n in os.listdir(d)}
     with pytest.raises(ValueError, match="same number of samples"):
         ArraysToRecords.from_arrays(x, y[:5], d, overwrite=True, verbose=0)
-    with pytest.raises(TypeError, match="complex"):
-        with ArraysToRecords(d, overwrite=True, verbose=0) as w:
-            w.write(x.astype(np.complex64), y)
-    with pytest.raises(RuntimeError):
-        with ArraysToRecords(d, overwrite=True, verbose=0):
-            raise RuntimeError("changed my mind before writing")
-    after = {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d)}
+    with (
+        pytest.raises(TypeError, match="complex"),
+        ArraysToRecords(d, overwrite=True, verbose=0) as w,
+    ):
+        w.write(x.astype(np.complex64), y)
+    with pytest.raises(RuntimeError), ArraysToRecords(d, overwrite=True, verbose=0):
+        raise RuntimeError("changed my mind before writing")
+    after = {n: Path(os.path.join(d, n)).read_bytes() for n in os.listdir(d)}
     assert after == before
     assert verify(d).ok
 
@@ -354,14 +358,13 @@ def test_interrupted_overwrite_never_mixes_old_and_new_shards(make_dataset):
     x, y = _data(400)
     d = make_dataset(x, y, **{k: v for k, v in LAYOUT.items() if k != "verbose"})
     old = set(_shard_bytes(d))
-    with pytest.raises(KeyboardInterrupt):
-        with ArraysToRecords(d, overwrite=True, **LAYOUT) as w:
-            w.write(-x[:50], y[:50])
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), ArraysToRecords(d, overwrite=True, **LAYOUT) as w:
+        w.write(-x[:50], y[:50])
+        raise KeyboardInterrupt
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     shard_files = [n for n in os.listdir(d) if n.startswith("shard-")]
     assert shard_files, "the new conversion's completed shards stay for resume"
-    assert not old & {open(os.path.join(d, n), "rb").read() for n in shard_files}
+    assert not old & {Path(os.path.join(d, n)).read_bytes() for n in shard_files}
     with pytest.raises(IncompleteDatasetError):
         TFRecordSequenceSource(d, batch_size=8)
     # Resuming finishes the *new* data set, bit for bit.
@@ -378,9 +381,11 @@ def test_second_writer_on_a_directory_is_refused(tmp_path):
     x, y = _data()
     with ArraysToRecords(d, **LAYOUT) as first:
         first.write(x[:50], y[:50])
-        with pytest.raises(DatasetLockedError, match="Another writer"):
-            with ArraysToRecords(d, **LAYOUT) as second:
-                second.write(x, y)
+        with (
+            pytest.raises(DatasetLockedError, match="Another writer"),
+            ArraysToRecords(d, **LAYOUT) as second,
+        ):
+            second.write(x, y)
         with pytest.raises(DatasetLockedError):
             ArraysToRecords.from_arrays(x, y, d, overwrite=True, **LAYOUT)
         first.write(x[50:], y[50:])
@@ -421,11 +426,13 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
 
 def _interrupt_after(d, x, y, n):
     """Writes n samples, then stops as Ctrl-C would (completed shards and journal stay)."""
-    with pytest.raises(KeyboardInterrupt):
-        with ArraysToRecords(d, expected_samples=len(x), **LAYOUT) as w:
-            w.write(x[:n], y[:n])
-            raise KeyboardInterrupt
-    journal = json.load(open(os.path.join(d, PROGRESS_NAME)))
+    with (
+        pytest.raises(KeyboardInterrupt),
+        ArraysToRecords(d, expected_samples=len(x), **LAYOUT) as w,
+    ):
+        w.write(x[:n], y[:n])
+        raise KeyboardInterrupt
+    journal = json.loads(Path(os.path.join(d, PROGRESS_NAME)).read_text())
     return journal
 
 
@@ -435,9 +442,11 @@ def test_writer_without_resume_refuses_an_unfinished_conversion(tmp_path):
     _interrupt_after(d, x, y, 100)
     with pytest.raises(IncompleteDatasetError, match="resume=True"):
         ArraysToRecords.from_arrays(x, y, d, **LAYOUT)
-    with pytest.raises(IncompleteDatasetError, match="resume=True"):
-        with ArraysToRecords(d, **LAYOUT) as w:
-            w.write(x, y)
+    with (
+        pytest.raises(IncompleteDatasetError, match="resume=True"),
+        ArraysToRecords(d, **LAYOUT) as w,
+    ):
+        w.write(x, y)
 
 
 def test_resume_keeps_complete_shards_and_finishes_bit_for_bit(tmp_path):
@@ -462,9 +471,9 @@ def test_resume_rewrites_a_damaged_shard(tmp_path, caplog):
     journal = _interrupt_after(d, x, y, 100)
     victim = journal["shards"][1]["file"]
     p = os.path.join(d, victim)
-    raw = bytearray(open(p, "rb").read())
+    raw = bytearray(Path(p).read_bytes())
     raw[40] ^= 0x10
-    open(p, "wb").write(raw)
+    Path(p).write_bytes(raw)
     with caplog.at_level("WARNING", logger="keras_tfr"):
         ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
     assert victim in caplog.text
@@ -493,11 +502,11 @@ def test_resume_after_a_kill_between_rename_and_journal(tmp_path):
     x, y = _data()
     _interrupt_after(d, x, y, 100)
     jpath = os.path.join(d, PROGRESS_NAME)
-    journal = json.load(open(jpath))
+    journal = json.loads(Path(jpath).read_text())
     journal["shards"] = journal["shards"][:-1]
-    json.dump(journal, open(jpath, "w"))
-    open(jpath + ".tmp-99999", "w").write("{")
-    open(os.path.join(d, MANIFEST_NAME + ".tmp-99999"), "w").write("{")
+    Path(jpath).write_text(json.dumps(journal))
+    Path(jpath + ".tmp-99999").write_text("{")
+    Path(os.path.join(d, MANIFEST_NAME + ".tmp-99999")).write_text("{")
     with pytest.raises(IncompleteDatasetError):
         ArraysToRecords.from_arrays(x, y, d, **LAYOUT)
     m = ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
@@ -523,7 +532,7 @@ def test_damaged_journal_is_refused_with_a_way_out(tmp_path):
     d = str(tmp_path / "ds")
     x, y = _data()
     _interrupt_after(d, x, y, 100)
-    open(os.path.join(d, PROGRESS_NAME), "w").write('{"format": "keras-tfr", "shards": 3')
+    Path(os.path.join(d, PROGRESS_NAME)).write_text('{"format": "keras-tfr", "shards": 3')
     with pytest.raises(IncompleteDatasetError, match="overwrite=True"):
         ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
     ArraysToRecords.from_arrays(x, y, d, overwrite=True, **LAYOUT)

@@ -1,0 +1,99 @@
+"""Where the read path spends its CPU: the keras-tfr pipeline built up stage by stage.
+
+Each line adds one stage to the one before and reports CPU seconds per GB of shard data
+(process time, all threads; less sensitive to other load on the machine than wall time)
+and the bytes copied per byte read by the stages so far. The difference between two
+lines is the cost of the stage added.
+
+Usage::
+
+    python benchmarks/profile_read.py DATASET_DIR     # a data set written by ArraysToRecords
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf
+
+from keras_tfr import TFRecordSequenceSource
+from keras_tfr.manifest import Manifest
+from keras_tfr.schema import COUNT_KEY, tf_decode_feature
+
+POOL_RECORDS = 16
+
+
+def cpu_per_gb(ds, total_bytes: int, reps: int = 3) -> tuple[float, float]:
+    best_cpu = best_wall = float("inf")
+    for _ in range(reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in ds:
+            pass
+        best_cpu = min(best_cpu, time.process_time() - c0)
+        best_wall = min(best_wall, time.perf_counter() - t0)
+    return best_cpu / (total_bytes / 1e9), total_bytes / best_wall / 1e9
+
+
+def main(directory: str) -> None:
+    m = Manifest.load(directory)
+    specs = sorted(m.features, key=lambda s: s.key)
+    spr = m.samples_per_record
+    files = [m.shard_path(s) for s in m.shards]
+    total = sum(os.path.getsize(f) for f in files)
+    fs = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
+    fs[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
+
+    def records():
+        return tf.data.TFRecordDataset(files, buffer_size=1 << 20, num_parallel_reads=2)
+
+    def decode(serialized):
+        parsed = tf.io.parse_example(serialized, fs)
+        return {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in specs}
+
+    def shuffle_pool(serialized):
+        out = decode(serialized)
+        n = tf.shape(out[specs[0].key], out_type=tf.int64)[0]
+        idx = tf.random.shuffle(tf.range(n))
+        return {k: tf.gather(v, idx) for k, v in out.items()}
+
+    auto = tf.data.AUTOTUNE
+    stages = [
+        ("read records (file -> buffer -> record, CRC)", 2, records()),
+        ("+ batch records into pools", 3, records().batch(POOL_RECORDS)),
+        (
+            "+ parse_example",
+            4,
+            records().batch(POOL_RECORDS).map(lambda s: tf.io.parse_example(s, fs)),
+        ),
+        ("+ decode_raw + bitcast", 5, records().batch(POOL_RECORDS).map(decode)),
+        ("+ permute samples (gather)", 6, records().batch(POOL_RECORDS).map(shuffle_pool)),
+        (
+            "+ rebatch(256), parallel map, prefetch",
+            7,
+            records()
+            .batch(POOL_RECORDS)
+            .map(shuffle_pool, num_parallel_calls=auto)
+            .rebatch(256)
+            .prefetch(auto),
+        ),
+        (
+            "TFRecordSequenceSource(shuffle=True, seed=0)",
+            7,
+            TFRecordSequenceSource(directory, batch_size=256, shuffle=True, seed=0),
+        ),
+    ]
+    print(f"{directory}: {total / 1e6:.0f} MB in {len(files)} shards, {m.total_records} records")
+    print(f"{'stage':48s} {'copies/byte':>11s} {'CPU s/GB':>9s} {'GB/s wall':>9s}")
+    for name, copies, ds in stages:
+        cpu, rate = cpu_per_gb(ds, total)
+        print(f"{name:48s} {copies:>11d} {cpu:>9.3f} {rate:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
