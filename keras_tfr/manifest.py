@@ -30,8 +30,8 @@ field                  meaning
 ``total_bytes``        bytes of all shard files together
 ``shards``             list, in sample order, of ``{file, samples, records, bytes,
                        checksum}``: ``file`` is a plain file name inside the directory,
-                       ``bytes`` the file's size, ``checksum`` ``"crc32:<8 hex digits>"``,
-                       the zlib CRC-32 of the shard's record payloads (the serialized
+                       ``bytes`` the file's size, ``checksum`` ``"crc32c:<8 hex digits>"``,
+                       the CRC-32C (Castagnoli) of the shard's record payloads (the serialized
                        Examples, in order, without the TFRecord framing)
 ``user_metadata``      optional JSON object given by the writer's caller
 =====================  ================================================================
@@ -374,8 +374,8 @@ class Manifest:
                 )
             if i < len(raw_shards) - 1 and samples % spr:
                 raise fail(f"`{where}samples` {samples} is not a multiple of {spr}")
-            if not re.match(r"^crc32:[0-9a-f]{8}$", checksum):
-                raise fail(f"`{where}checksum` {checksum!r:.40} is not 'crc32:<8 hex digits>'")
+            if not re.match(r"^crc32c:[0-9a-f]{8}$", checksum):
+                raise fail(f"`{where}checksum` {checksum!r:.40} is not 'crc32c:<8 hex digits>'")
             shards.append(ShardInfo(name, samples, records, nbytes, checksum))
         manifest = cls(
             structure=dict(structure),

@@ -2,15 +2,18 @@
 
 `verify` checks, per shard: the file exists with the recorded size; every record passes
 its TFRecord CRCs; every record is a well-formed Example of the manifest's schema with the
-recorded sample count; the records and samples add up; and the zlib CRC-32 over the
+recorded sample count; the records and samples add up; and the CRC-32C over the
 record payloads equals the manifest's checksum. It reports every bad shard by name, with
 the byte offset of the first bad record where there is one.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
+
+import zlib
+
+import google_crc32c
 
 from keras_tfr import _io
 from keras_tfr.manifest import Manifest, ShardInfo
@@ -137,7 +140,7 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
             where = f"record {record_index}" + (
                 f" at byte offset {offset}" if offset is not None else ""
             )
-            crc = zlib.crc32(record, crc)
+            crc = google_crc32c.extend(crc, record)
             end_offset = None if offset is None else offset + len(record) + 16
             try:
                 fields = parse_example_bytes(record)
@@ -194,8 +197,8 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
             f"holds {records} records / {samples} samples, the manifest records "
             f"{shard.records} / {shard.samples}"
         )
-    if f"crc32:{crc:08x}" != shard.checksum:
-        problems.append(f"checksum crc32:{crc:08x} differs from the manifest's {shard.checksum}")
+    if f"crc32c:{crc:08x}" != shard.checksum:
+        problems.append(f"checksum crc32c:{crc:08x} differs from the manifest's {shard.checksum}")
     return problems
 
 

@@ -538,3 +538,17 @@ def test_damaged_journal_is_refused_with_a_way_out(tmp_path):
     ArraysToRecords.from_arrays(x, y, d, overwrite=True, **LAYOUT)
     xs, ys = _read_all(d)
     assert np.array_equal(xs, x) and np.array_equal(ys, y)
+
+
+def test_resume_from_an_iterable_of_batches_skips_what_was_written(tmp_path):
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+
+    def batches():
+        for i in range(0, len(x), 30):  # batches that do not align with shards
+            yield x[i : i + 30], y[i : i + 30]
+
+    _interrupt_after(d, x, y, 100)
+    ArraysToRecords.from_arrays(batches(), directory=d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)

@@ -123,7 +123,7 @@ JSON = st.recursive(
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=False)
     | st.text(max_size=20)
-    | st.sampled_from(["keras-tfr", "x", "y", "array", "dict", "float32", "crc32:00000000"]),
+    | st.sampled_from(["keras-tfr", "x", "y", "array", "dict", "float32", "crc32c:00000000"]),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
     ),
@@ -151,9 +151,9 @@ def _valid_manifest() -> dict:
         "total_bytes": 500,
         "shards": [
             {"file": "shard-00000.tfrecord", "samples": 8, "records": 2, "bytes": 300,
-             "checksum": "crc32:0000abcd"},
+             "checksum": "crc32c:0000abcd"},
             {"file": "shard-00001.tfrecord", "samples": 2, "records": 1, "bytes": 200,
-             "checksum": "crc32:ffffffff"},
+             "checksum": "crc32c:ffffffff"},
         ],
     }  # fmt: skip
 
