@@ -44,7 +44,9 @@ def generate(workdir: str, n: int, seed: int = 0) -> None:
     x = np.lib.format.open_memmap(
         os.path.join(workdir, "x.npy"), mode="w+", dtype=np.float32, shape=(n, FEATURES)
     )
-    y = np.lib.format.open_memmap(os.path.join(workdir, "y.npy"), mode="w+", dtype=np.int64, shape=(n,))
+    y = np.lib.format.open_memmap(
+        os.path.join(workdir, "y.npy"), mode="w+", dtype=np.int64, shape=(n,)
+    )
     for i in range(0, n, GEN_CHUNK):
         j = min(n, i + GEN_CHUNK)
         xb = rng.standard_normal((j - i, FEATURES), dtype=np.float32)

@@ -40,7 +40,7 @@ _LAZY = {
     "ArraysToRecords": "keras_tfr.writer",
     "TFRecordSequenceSource": "keras_tfr.source",
     "limit_gpu_memory": "keras_tfr.gpu",
-    "verify": "keras_tfr.verify",
+    "verify": "keras_tfr.verifier",
     "predict_to_records": "keras_tfr.predict",
     "TensorFeature": "keras_tfr.tfrecords",
     "convert_tfrecords": "keras_tfr.tfrecords",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from keras_tfr.distribute import distribute_source
     from keras_tfr.predict import predict_to_records
     from keras_tfr.tfrecords import TensorFeature, convert_tfrecords
-    from keras_tfr.verify import verify
+    from keras_tfr.verifier import verify
     from keras_tfr.writer import ArraysToRecords
 
 

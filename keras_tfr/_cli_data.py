@@ -269,7 +269,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     from keras_tfr.errors import KerasTFRError
-    from keras_tfr.verify import verify
+    from keras_tfr.verifier import verify
 
     try:
         report = verify(args.directory, verbose=0 if args.quiet else 1)

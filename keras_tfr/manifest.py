@@ -31,8 +31,10 @@ field                  meaning
 ``shards``             list, in sample order, of ``{file, samples, records, bytes,
                        checksum}``: ``file`` is a plain file name inside the directory,
                        ``bytes`` the file's size, ``checksum`` ``"crc32c:<8 hex digits>"``,
-                       the CRC-32C (Castagnoli) of the shard's record payloads (the serialized
-                       Examples, in order, without the TFRecord framing)
+                       the CRC-32C (Castagnoli) of the sequence of the records' own
+                       CRC-32Cs (each over one serialized Example, 4 bytes little-endian,
+                       in order): one pass over the data yields both, and it changes when
+                       any record changes, moves or goes missing
 ``user_metadata``      optional JSON object given by the writer's caller
 =====================  ================================================================
 

@@ -238,6 +238,26 @@ class BlockEncoder:
             self._cache[count] = result
         return result
 
+    def fixed_layout(self, count: int) -> tuple[dict[str, int], list[tuple[int, bytes]], int]:
+        """Where each feature's bytes sit in a record of `count` samples (fixed kinds only).
+
+        Returns:
+            ``(offsets, headers, length)``: the payload offset per feature key; every
+            non-payload segment as ``(offset, expected bytes)``; the record's length.
+            Records of one data set share this layout, so a reader can cut features out by
+            offset after checking the header segments.
+        """
+        example_header, entries, count_entry = self._headers(count)
+        offsets: dict[str, int] = {}
+        headers: list[tuple[int, bytes]] = [(0, example_header + count_entry)]
+        pos = len(example_header) + len(count_entry)
+        for spec, header in zip(self.specs, entries):
+            headers.append((pos, header))
+            pos += len(header)
+            offsets[spec.key] = pos
+            pos += count * spec.sample_bytes
+        return offsets, headers, pos
+
     def encode(self, count: int, payloads: list[Any]) -> bytes:
         """`payloads[i]` holds `count` samples of `self.specs[i]` as raw bytes (buffer);
         for a non-fixed spec, a pair ``(values, lengths)`` of buffers."""

@@ -46,7 +46,7 @@ __all__ = ["TFRecordSequenceSource"]
 log = logging.getLogger("keras_tfr")
 
 DEFAULT_SHUFFLE_MEMORY = "64MB"
-_POOL_BYTES = 4 << 20
+_POOL_BYTES = 16 << 20
 _READ_BUFFER = 1 << 20
 _CORRUPT_HINT = (
     "the record failed its TFRecord CRC check, or the file is truncated or unreadable; "
@@ -464,10 +464,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 read_shard,
                 cycle_length=cycle,
                 block_length=1,
-                num_parallel_calls=tf.data.AUTOTUNE,
+                num_parallel_calls=cycle,  # not AUTOTUNE: it ramps up from one reader
                 deterministic=self._deterministic,
             )
-            buffer_records = max(1, (self._shuffle_bytes * 3 // 4) // record_bytes)
+            buffer_records = max(1, (self._shuffle_bytes // 4) // record_bytes)
             records = records.shuffle(
                 min(buffer_records, m.total_records), seed=op_seed(2), reshuffle_each_iteration=True
             )
@@ -478,7 +478,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 read_shard,
                 cycle_length=cycle,
                 block_length=int(max(counts.max(initial=1), 1)),
-                num_parallel_calls=tf.data.AUTOTUNE,
+                num_parallel_calls=cycle,
                 deterministic=True,
             )
 
@@ -497,15 +497,27 @@ class TFRecordSequenceSource(tf.data.Dataset):
         has_short_record = m.total_samples % spr != 0
         shuffle = self._shuffle
 
-        def decode_pool(serialized, rand):
+        def parse_pool(serialized):
             parsed = tf.io.parse_example(serialized, feature_spec)
-            counts_ = parsed[COUNT_KEY]
             decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in fixed_specs}
-            # Non-fixed features decode to exactly the pool's samples (no padding).
-            variable = {
-                s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
-                for s in variable_specs
-            }
+            return decoded, parsed
+
+        fast_decode = None
+        if fixed_layout and not variable_specs:
+            fast_decode = _fixed_layout_decoder(specs, spr, m.record_bytes, parse_pool)
+
+        def decode_pool(serialized, rand):
+            if fast_decode is not None:
+                decoded, counts_ = fast_decode(serialized)
+                variable = {}
+            else:
+                decoded, parsed = parse_pool(serialized)
+                counts_ = parsed[COUNT_KEY]
+                # Non-fixed features decode to exactly the pool's samples (no padding).
+                variable = {
+                    s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
+                    for s in variable_specs
+                }
             if shuffle:
                 if has_short_record:
                     valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
@@ -528,17 +540,18 @@ class TFRecordSequenceSource(tf.data.Dataset):
             decoded.update(variable)
             return decoded
 
+        # A fixed parallelism starts the first epoch at full speed (AUTOTUNE ramps up from
+        # one call, which costs Keras a slow start at every epoch's new iterator).
+        decoders = max(2, os.cpu_count() or 2)
         if shuffle:
             rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
             rng = rng.batch(2)
             pools = tf.data.Dataset.zip((records, rng)).map(
-                decode_pool, num_parallel_calls=tf.data.AUTOTUNE, deterministic=self._deterministic
+                decode_pool, num_parallel_calls=decoders, deterministic=self._deterministic
             )
         else:
             pools = records.map(
-                lambda s: decode_pool(s, None),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True,
+                lambda s: decode_pool(s, None), num_parallel_calls=decoders, deterministic=True
             )
         if self._service is not None:
             # Reading, parsing and decoding run on the tf.data service workers; batches are
@@ -649,6 +662,67 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values[0] if len(values) == 1 else values
 
         return fn
+
+
+def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool):
+    """Decodes pools of full records by offset: one `decode_raw` of the whole records,
+    then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
+    copies every payload out) followed by a `decode_raw` per feature.
+
+    All full records of a data set share one layout (`BlockEncoder.fixed_layout`); every
+    non-payload byte is checked against it, so a record that is not what the manifest
+    says fails loudly. A pool holding the short last record takes the `parse_example` path.
+    Returns None when the manifest's record size does not match the layout.
+    """
+    from keras_tfr.schema import BlockEncoder
+
+    offsets, headers, length = BlockEncoder(specs).fixed_layout(spr)
+    if length != record_bytes:
+        return None
+    header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
+    header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
+
+    def fast(serialized):
+        u8 = tf.io.decode_raw(serialized, tf.uint8)  # [k, record_bytes]
+        got = tf.gather(u8, header_positions, axis=1)
+        ok = tf.reduce_all(tf.equal(got, header_bytes[None, :]))
+        check = tf.debugging.Assert(
+            ok,
+            [
+                "keras-tfr: a record passed its CRC check but does not have the layout its "
+                "manifest describes; the data set was modified after it was written"
+            ],
+        )
+        with tf.control_dependencies([check]):
+            decoded = {}
+            for s in specs:
+                seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
+                decoded[s.key] = _bytes_to_feature(seg, s)
+        k = tf.shape(serialized, out_type=tf.int64)[0]
+        return decoded, tf.fill([k], tf.constant(spr, tf.int64))
+
+    def slow(serialized):
+        decoded, parsed = parse_pool(serialized)
+        return decoded, parsed[COUNT_KEY]
+
+    def decode(serialized):
+        full = tf.reduce_all(tf.equal(tf.strings.length(serialized), record_bytes))
+        return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
+
+    return decode
+
+
+def _bytes_to_feature(u8, spec: FeatureSpec):
+    """[k, n * sample_bytes] uint8 -> [k * n, *shape] of the feature's dtype."""
+    if spec.itemsize == 1:
+        x = tf.reshape(u8, [-1, *spec.shape])
+        if spec.dtype == "bool":
+            return tf.cast(x, tf.bool)
+        if spec.dtype == "int8":
+            return tf.bitcast(x, tf.int8)
+        return x
+    x = tf.reshape(u8, [-1, *spec.shape, spec.itemsize])
+    return tf.bitcast(x, tf.as_dtype(spec.dtype))
 
 
 def _records_or_empty(path, compression: str):

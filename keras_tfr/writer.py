@@ -51,7 +51,7 @@ __all__ = ["ArraysToRecords"]
 log = logging.getLogger("keras_tfr")
 
 DEFAULT_SHARD_SIZE = "128MB"
-DEFAULT_RECORD_SIZE = "256KB"
+DEFAULT_RECORD_SIZE = "1MB"
 DEFAULT_CHUNK_SIZE = "16MB"
 _SHARD_FILE = "shard-{:05d}.tfrecord"
 _SHARD_RE = re.compile(r"^shard-\d{5,}\.tfrecord(\.tmp)?$")
@@ -766,7 +766,7 @@ class ArraysToRecords(keras.callbacks.Callback):
                 "start over with `overwrite=True`."
             ) from e
         probe.directory = self.directory
-        from keras_tfr.verify import verify_shard
+        from keras_tfr.verifier import verify_shard
 
         kept: list[ShardInfo] = []
         for shard in probe.shards:
@@ -913,7 +913,10 @@ class ArraysToRecords(keras.callbacks.Callback):
         record = self._encoder.encode(count, payloads)
         if self._shard_writer is None:
             self._open_shard()
-        self._sink.put(record)
+        # Checksums here, while the record is hot in the cache; the sink thread only writes.
+        record_crc = google_crc32c.value(record)
+        self._shard_crc = google_crc32c.extend(self._shard_crc, struct.pack("<I", record_crc))
+        self._sink.put((record, record_crc))
         self._shard_records += 1
         self._shard_samples += count
         if self._shard_records >= self._records_per_shard:
@@ -931,7 +934,7 @@ class ArraysToRecords(keras.callbacks.Callback):
     def _close_shard(self) -> None:
         if self._shard_writer is None:
             return
-        self._shard_crc = self._sink.finish_shard()
+        self._sink.finish_shard()
         self._shard_writer.close()
         self._shard_writer = None
         name = _SHARD_FILE.format(len(self._shards))
@@ -1046,8 +1049,7 @@ def _release_pages(arr: Any, start: int, stop: int) -> None:
 class _RecordSink:
     """Writes records and their checksum on a background thread.
 
-    The record's CRC32C (hardware-accelerated `google_crc32c`), the write and the shard
-    checksum all release the GIL, so while this thread writes one record the caller's thread slices
+    The framing's CRC32C (hardware-accelerated `google_crc32c`) and the write release the GIL, so while this thread writes one record the caller's thread slices
     and serializes the next: on two cores conversion runs close to the disk's rate.
     The queue is bounded (about 64 MB of records), so memory stays bounded too; an error
     in the thread is raised in the caller at the next `put` or `finish_shard`.
@@ -1060,7 +1062,6 @@ class _RecordSink:
         self._queue: queue.Queue = queue.Queue(maxsize=max_records)
         self._error: BaseException | None = None
         self._writer: Any = None
-        self._crc = 0
         self._thread = threading.Thread(target=self._run, name="keras-tfr-writer", daemon=True)
         self._thread.start()
 
@@ -1071,8 +1072,7 @@ class _RecordSink:
                 if item is None:
                     return
                 if self._error is None:
-                    self._writer.write(item)
-                    self._crc = google_crc32c.extend(self._crc, item)
+                    self._writer.write(*item)
             except BaseException as e:  # surfaced in the caller's thread
                 self._error = e
             finally:
@@ -1087,17 +1087,16 @@ class _RecordSink:
         self._queue.join()
         self._raise_pending()
         self._writer = writer
-        self._crc = 0
 
-    def put(self, record: bytes) -> None:
+    def put(self, item: tuple[bytes, int]) -> None:
+        """Queues ``(record, its CRC-32C)`` for writing."""
         self._raise_pending()
-        self._queue.put(record)
+        self._queue.put(item)
 
-    def finish_shard(self) -> int:
-        """Waits until every queued record is written; returns the shard's checksum."""
+    def finish_shard(self) -> None:
+        """Waits until every queued record is written."""
         self._queue.join()
         self._raise_pending()
-        return self._crc
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -1105,8 +1104,9 @@ class _RecordSink:
         self._error = None
 
 
-def _masked_crc(data: bytes) -> bytes:
-    crc = google_crc32c.value(data)
+def _masked_crc(data: bytes, crc: int | None = None) -> bytes:
+    if crc is None:
+        crc = google_crc32c.value(data)
     return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
@@ -1127,9 +1127,9 @@ class _FramedFile:
         else:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
-    def write(self, record: bytes) -> None:
+    def write(self, record: bytes, crc: int | None = None) -> None:
         header = struct.pack("<Q", len(record))
-        parts = [header + _masked_crc(header), record, _masked_crc(record)]
+        parts = [header + _masked_crc(header), record, _masked_crc(record, crc)]
         if self._remote:
             for part in parts:
                 self._f.write(part)
@@ -1154,4 +1154,18 @@ def _open_record_file(path: str, compression: str | None) -> Any:
         return _FramedFile(path)
     import tensorflow as tf
 
-    return tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
+    writer = tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
+    return _CompressedFile(writer)
+
+
+class _CompressedFile:
+    """GZIP/ZLIB shards: TensorFlow's writer frames and compresses."""
+
+    def __init__(self, writer: Any):
+        self._writer = writer
+
+    def write(self, record: bytes, crc: int | None = None) -> None:
+        self._writer.write(record)
+
+    def close(self) -> None:
+        self._writer.close()

@@ -187,7 +187,10 @@ def test_incremental_writes_memmap_h5py_and_iterables_agree(tmp_path):
     ArraysToRecords.from_arrays(mm, y, str(tmp_path / "mm"), **kw)
     ArraysToRecords.from_arrays(h5["x"], h5["y"], str(tmp_path / "h5"), **kw)
     ArraysToRecords.from_arrays(
-        ((x[i : i + 10], y[i : i + 10]) for i in range(0, 103, 10)), None, str(tmp_path / "it"), **kw
+        ((x[i : i + 10], y[i : i + 10]) for i in range(0, 103, 10)),
+        None,
+        str(tmp_path / "it"),
+        **kw,
     )
     with ArraysToRecords(str(tmp_path / "inc"), samples_per_record=8, verbose=0) as w:
         for i in range(0, 103, 13):
@@ -320,3 +323,40 @@ def test_jax_backend_trains_on_the_same_source(make_dataset):
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("LOSS"))
     first, last, steps = line.split()[1:]
     assert float(last) < 0.05 * float(first) and int(steps) == 4
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_full_records_of_every_dtype_decode_by_offset(make_dataset, shuffle):
+    """No short record: pools take the offset-decoding path; still bit for bit."""
+    rng = np.random.default_rng(7)
+    n = 48
+    x = {dt: _random_array(rng, dt, (n, 2, 3)) for dt in ALL_DTYPES}
+    ids = np.arange(n, dtype=np.int64)
+    d = make_dataset(x, ids, samples_per_record=4, min_shards=2)
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=shuffle, seed=5)
+    (xs, ys), _ = _collect(src)
+    order = np.argsort(ys)
+    assert np.array_equal(ys[order], ids)
+    for dt in ALL_DTYPES:
+        assert _same_bits(xs[dt][order], x[dt]), dt
+
+
+def test_record_with_valid_crc_but_wrong_layout_is_refused(make_dataset):
+    from keras_tfr.writer import _FramedFile
+
+    x = np.arange(64, dtype=np.float32).reshape(16, 4)
+    d = make_dataset(x, np.arange(16), samples_per_record=4, min_shards=1)
+    m = Manifest.load(d)
+    path = os.path.join(d, m.shards[0].file)
+    records = [r.numpy() for r in tf.data.TFRecordDataset(path)]
+    bad = bytearray(records[1])
+    key_at = bad.index(b"__count__")
+    bad[key_at : key_at + 9] = b"__COUNT__"  # same length, valid framing, wrong layout
+    records[1] = bytes(bad)
+    f = _FramedFile(path)
+    for r in records:
+        f.write(r)
+    f.close()
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False, check_files=False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="layout"):
+        list(src)

@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.errors import ShardError
 from keras_tfr.manifest import Manifest
-from keras_tfr.verify import verify
+from keras_tfr.verifier import verify
 
 N, SPR, SHARDS = 160, 4, 4  # 40 full records, 10 per shard
 TIMEOUT_S = 60  # per pipeline run; a hang fails the test instead of blocking the suite

@@ -19,7 +19,7 @@ import pytest
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.errors import IncompleteDatasetError
 from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
-from keras_tfr.verify import verify
+from keras_tfr.verifier import verify
 
 N, FEATURES = 2000, 64
 # 8 samples per record (about 2 KB), 3 records per shard: about 84 small shards.

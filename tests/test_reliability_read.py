@@ -21,7 +21,7 @@ from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.errors import IncompleteDatasetError, ManifestError, ShardError
 from keras_tfr.manifest import MANIFEST_NAME, Manifest
 from keras_tfr.schema import encode_block
-from keras_tfr.verify import verify
+from keras_tfr.verifier import verify
 
 SPR = 4  # samples per record
 N = 240  # 60 records

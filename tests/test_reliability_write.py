@@ -22,7 +22,7 @@ from keras_tfr.errors import (
     ManifestError,
 )
 from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
-from keras_tfr.verify import verify
+from keras_tfr.verifier import verify
 
 LOCK_NAME = ".keras-tfr.lock"
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource, _io
 from keras_tfr.manifest import MANIFEST_NAME, Manifest
-from keras_tfr.verify import verify
+from keras_tfr.verifier import verify
 
 
 @pytest.fixture

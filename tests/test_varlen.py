@@ -221,7 +221,7 @@ def test_resume_with_a_variable_feature(tmp_path):
 
 def test_verify_names_a_shard_whose_lengths_do_not_add_up(tmp_path):
     from keras_tfr.schema import BlockEncoder, FeatureSpec
-    from keras_tfr.verify import verify_shard
+    from keras_tfr.verifier import verify_shard
 
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(

@@ -2,8 +2,8 @@
 
 `verify` checks, per shard: the file exists with the recorded size; every record passes
 its TFRecord CRCs; every record is a well-formed Example of the manifest's schema with the
-recorded sample count; the records and samples add up; and the CRC-32C over the
-record payloads equals the manifest's checksum. It reports every bad shard by name, with
+recorded sample count; the records and samples add up; and the checksum over the
+records' CRC-32Cs equals the manifest's. It reports every bad shard by name, with
 the byte offset of the first bad record where there is one.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import struct
 import zlib
 
 import google_crc32c
@@ -140,7 +141,7 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
             where = f"record {record_index}" + (
                 f" at byte offset {offset}" if offset is not None else ""
             )
-            crc = google_crc32c.extend(crc, record)
+            crc = google_crc32c.extend(crc, struct.pack("<I", google_crc32c.value(record)))
             end_offset = None if offset is None else offset + len(record) + 16
             try:
                 fields = parse_example_bytes(record)
