@@ -56,6 +56,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from keras_tfr.distribute import distribute_source
     from keras_tfr.errors import (
         CorruptRecordError,
         DatasetExistsError,
@@ -67,9 +68,8 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from keras_tfr.gpu import limit_gpu_memory
     from keras_tfr.manifest import Manifest
-    from keras_tfr.source import TFRecordSequenceSource
-    from keras_tfr.distribute import distribute_source
     from keras_tfr.predict import predict_to_records
+    from keras_tfr.source import TFRecordSequenceSource
     from keras_tfr.tfrecords import TensorFeature, convert_tfrecords
     from keras_tfr.verifier import verify
     from keras_tfr.writer import ArraysToRecords

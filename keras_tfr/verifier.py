@@ -9,10 +9,9 @@ the byte offset of the first bad record where there is one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import struct
 import zlib
+from dataclasses import dataclass, field
 
 import google_crc32c
 

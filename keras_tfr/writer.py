@@ -21,8 +21,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import keras
 import google_crc32c
+import keras
 import numpy as np
 
 from keras_tfr import _io
@@ -1047,10 +1047,11 @@ def _release_pages(arr: Any, start: int, stop: int) -> None:
 
 
 class _RecordSink:
-    """Writes records and their checksum on a background thread.
+    """Writes records on a background thread.
 
-    The framing's CRC32C (hardware-accelerated `google_crc32c`) and the write release the GIL, so while this thread writes one record the caller's thread slices
-    and serializes the next: on two cores conversion runs close to the disk's rate.
+    The write releases the GIL, so while this thread writes one record the caller's
+    thread slices, serializes and checksums the next (hardware CRC-32C): on two cores
+    conversion runs close to the disk's rate.
     The queue is bounded (about 64 MB of records), so memory stays bounded too; an error
     in the thread is raised in the caller at the next `put` or `finish_shard`.
     """
