@@ -160,6 +160,10 @@ def _tutorial_example(xi: np.ndarray, yi: int, tf) -> bytes:
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
+# The CPU-bound tutorial writer (~50 MB/s) is timed once; the two fast writers best of N.
+WRITE_REPEATS = 3
+
+
 def work_write(p: dict[str, str], pipeline: str, out: str | None = None) -> dict[str, Any]:
     x, y = _load_xy(p)
     _warm(p["x"])
@@ -168,18 +172,22 @@ def work_write(p: dict[str, str], pipeline: str, out: str | None = None) -> dict
         from keras_tfr import ArraysToRecords
 
         out = out or p["ktfr"]
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        ArraysToRecords.from_arrays(x, y, out, verbose=0)
-        dt = time.perf_counter() - t0
+        dt = float("inf")
+        for _ in range(WRITE_REPEATS):  # best of N: the kernel's write-back makes single runs noisy
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            ArraysToRecords.from_arrays(x, y, out, verbose=0)
+            dt = min(dt, time.perf_counter() - t0)
     elif pipeline == "np.save":
         out = out or p["npsave"]
-        shutil.rmtree(out, ignore_errors=True)
-        os.makedirs(out)
-        t0 = time.perf_counter()
-        np.save(os.path.join(out, "x.npy"), x)
-        np.save(os.path.join(out, "y.npy"), y)
-        dt = time.perf_counter() - t0
+        dt = float("inf")
+        for _ in range(WRITE_REPEATS):
+            shutil.rmtree(out, ignore_errors=True)
+            os.makedirs(out)
+            t0 = time.perf_counter()
+            np.save(os.path.join(out, "x.npy"), x)
+            np.save(os.path.join(out, "y.npy"), y)
+            dt = min(dt, time.perf_counter() - t0)
     elif pipeline == "tutorial":
         import tensorflow as tf
 
@@ -244,12 +252,18 @@ def work_gen_formats(p: dict[str, str]) -> dict[str, Any]:
     return result
 
 
-def _iterate(ds) -> tuple[int, float]:
-    t0 = time.perf_counter()
+def _iterate(ds, epochs: int = 3) -> tuple[int, float]:
+    """Examples in one epoch and the fastest of `epochs` epochs (each a new iterator, as
+    Keras makes one per epoch: start-up is included, one-off hiccups are not)."""
+    best = float("inf")
     count = 0
-    for batch in ds:
-        count += int(batch[0].shape[0])
-    return count, time.perf_counter() - t0
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        count = 0
+        for batch in ds:
+            count += int(batch[0].shape[0])
+        best = min(best, time.perf_counter() - t0)
+    return count, best
 
 
 def _tf_read_pipeline(p: dict[str, str], pipeline: str, shape: tuple[int, ...]):
@@ -338,7 +352,7 @@ def _grain_read(p: dict[str, str], shape: tuple[int, ...]) -> dict[str, Any]:
     source = grain.sources.ArrayRecordDataSource(files)
     ds = grain.MapDataset.source(source).shuffle(seed=0).batch(BATCH, batch_fn=batch_fn)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=8, prefetch_buffer_size=500))
-    count, dt = _iterate(it)
+    count, dt = _iterate(it, epochs=1)
     return {"seconds": dt, "examples": count}
 
 
@@ -373,13 +387,13 @@ def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[s
     if pipeline == "numpy":
         x, y = _load_xy(p, in_memory=True)
         n = int(x.shape[0])
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0, callbacks=[timer])
+        model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=True, verbose=0, callbacks=[timer])
     else:
         ds = _tf_read_pipeline(p, pipeline, shape)
         n = int(np.load(p["y"], mmap_mode="r").shape[0])
-        model.fit(ds, epochs=2, verbose=0, callbacks=[timer])
-    # Epoch 2: compiled, caches warm; epoch 1 also holds tracing and compilation.
-    return {"seconds": timer.times[-1], "examples": n, "first_epoch_seconds": timer.times[0]}
+        model.fit(ds, epochs=4, verbose=0, callbacks=[timer])
+    # Fastest of epochs 2-4: compiled, caches warm; epoch 1 also holds tracing.
+    return {"seconds": min(timer.times[1:]), "examples": n, "first_epoch_seconds": timer.times[0]}
 
 
 def worker_main(argv: list[str]) -> None:
