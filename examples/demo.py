@@ -7,8 +7,10 @@
 3. Trains a small model on the stream with `TFRecordSequenceSource` and a validation
    split, then evaluates it.
 
-Conversion and training each run in their own process, so each one's peak RSS
-(`resource.getrusage`) is its own; the demo prints both next to the data size.
+Generation, conversion and training each run in their own process, so each one's peak
+RSS (`resource.getrusage`) is its own (Linux carries a parent's peak RSS into the
+children it starts, so the parent stays small); the demo prints both next to the data
+size.
 
 Run: ``make demo`` (or ``python examples/demo.py --size-gb 0.5`` for a quicker run).
 """
@@ -117,6 +119,7 @@ def _run_phase(args: argparse.Namespace, phase: str) -> dict:
     result = os.path.join(args.workdir, f"{phase}.json")
     cmd = [sys.executable, __file__, "--phase", phase, "--workdir", args.workdir]
     cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    cmd += ["--samples", str(args.samples)]
     subprocess.run([*cmd, "--result", result], check=True)  # output (progress bars) shows live
     with open(result) as f:
         return json.load(f)
@@ -132,13 +135,17 @@ def main() -> int:
     parser.add_argument("--workdir", default="demo_data", help="where data goes (demo_data)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--phase", choices=["convert", "train"], help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=["generate", "convert", "train"], help=argparse.SUPPRESS)
+    parser.add_argument("--samples", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep demo_data afterwards")
     args = parser.parse_args()
 
     if args.phase:
-        if args.phase == "convert":
+        if args.phase == "generate":
+            generate(args.workdir, args.samples)
+            result = {"peak_rss": peak_rss_bytes()}
+        elif args.phase == "convert":
             result = phase_convert(args.workdir)
         else:
             result = phase_train(args.workdir, args.epochs, args.batch_size)
@@ -154,7 +161,8 @@ def main() -> int:
         return 2
     print(f"[1/3] generating {n:,} samples ({gb(n * (FEATURES * 4 + 8))}) as memmaps ...")
     t = time.perf_counter()
-    generate(args.workdir, n)
+    args.samples = n
+    _run_phase(args, "generate")
     print(f"      done in {time.perf_counter() - t:.1f} s")
     print("[2/3] converting to sharded TFRecords with ArraysToRecords.from_arrays ...", flush=True)
     conv = _run_phase(args, "convert")
