@@ -87,6 +87,16 @@ class TFRecordSequenceSource(tf.data.Dataset):
             that feature inside the pipeline, e.g. ``{"x": tf.io.decode_png}`` for a
             ``bytes`` feature of PNG files. Its outputs must share one shape within a
             batch (resize inside `fn` when images differ in size).
+        num_workers, worker_index: read only this worker's share of the records (a
+            disjoint, balanced run of shards) with the same step count on every worker;
+            see `keras_tfr.distribute_source` for `tf.distribute` strategies.
+        service: ``"grpc://host:port"`` of a tf.data service dispatcher: reading and
+            decoding run on its workers (`keras-tfr serve` starts some).
+        service_mode: ``"distributed_epoch"`` (each sample once per epoch across the
+            service's workers) or ``"parallel_epochs"`` (each worker sends a full epoch).
+        service_job_name: share one service job between several trainers.
+        manifest: a `Manifest` already in memory (what `replace` passes), so the
+            directory's manifest is not read again.
 
     Example:
         >>> train = TFRecordSequenceSource("data/train", batch_size=256, shuffle=True,
