@@ -36,6 +36,14 @@ def _error(command: str, message: Any) -> int:
     return 2
 
 
+def add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--shard-size`` / ``--record-size``, defaulting to the writer's own defaults."""
+    from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE
+
+    parser.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE, help="bytes per shard")
+    parser.add_argument("--record-size", default=DEFAULT_RECORD_SIZE, help="bytes per block")
+
+
 # --------------------------------------------------------------------------- convert
 
 
@@ -128,8 +136,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--x", action="append", required=True, metavar="SPEC", help="inputs")
     parser.add_argument("--y", action="append", metavar="SPEC", help="targets")
     parser.add_argument("--sample-weight", metavar="SPEC", help="per-sample weights")
-    parser.add_argument("--shard-size", default="128MB", help="target bytes per shard")
-    parser.add_argument("--record-size", default="256KB", help="target bytes per block")
+    add_size_arguments(parser)
     parser.add_argument("--compression", choices=["GZIP", "ZLIB"], help="shard compression")
     parser.add_argument("--min-shards", type=int, default=8, help="write at least N shards")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing data set")
@@ -138,29 +145,24 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from keras_tfr.errors import KerasTFRError
+    x = _role_value(args.x)
+    y = _role_value(args.y)
+    sw = load_array(args.sample_weight) if args.sample_weight else None
+    from keras_tfr.writer import ArraysToRecords
 
-    try:
-        x = _role_value(args.x)
-        y = _role_value(args.y)
-        sw = load_array(args.sample_weight) if args.sample_weight else None
-        from keras_tfr.writer import ArraysToRecords
-
-        manifest = ArraysToRecords.from_arrays(
-            x,
-            y,
-            args.directory,
-            sample_weight=sw,
-            shard_size=args.shard_size,
-            record_size=args.record_size,
-            compression=args.compression,
-            min_shards=args.min_shards,
-            overwrite=args.overwrite,
-            resume=args.resume,
-            verbose=0 if args.quiet else 1,
-        )
-    except (KerasTFRError, ValueError, TypeError, OSError) as e:
-        return _error("convert", e)
+    manifest = ArraysToRecords.from_arrays(
+        x,
+        y,
+        args.directory,
+        sample_weight=sw,
+        compression=args.compression,
+        min_shards=args.min_shards,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        verbose=0 if args.quiet else 1,
+        shard_size=args.shard_size,
+        record_size=args.record_size,
+    )
     print(
         f"wrote {manifest.total_samples} samples in {len(manifest.shards)} shards "
         f"({_fmt_bytes(manifest.total_bytes)}) to {args.directory}"
@@ -190,13 +192,9 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from keras_tfr.errors import KerasTFRError
     from keras_tfr.manifest import Manifest
 
-    try:
-        m = Manifest.load(args.directory, check_files=False)
-    except KerasTFRError as e:
-        return _error("info", e)
+    m = Manifest.load(args.directory, check_files=False)
     if args.json:
         print(json.dumps(m.to_json(), indent=2))
         return 0
@@ -268,13 +266,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from keras_tfr.errors import KerasTFRError
     from keras_tfr.verifier import verify
 
-    try:
-        report = verify(args.directory, verbose=0 if args.quiet else 1)
-    except KerasTFRError as e:
-        return _error("verify", e)
+    report = verify(args.directory, verbose=0 if args.quiet else 1)
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -299,22 +293,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from keras_tfr.errors import KerasTFRError
-
     if args.batch_size < 1 or args.epochs < 1:
         return _error("bench", "--batch-size and --epochs must be positive")
-    try:
-        from keras_tfr.source import TFRecordSequenceSource
+    from keras_tfr.source import TFRecordSequenceSource
 
-        src = TFRecordSequenceSource(
-            args.directory,
-            batch_size=args.batch_size,
-            shuffle=not args.no_shuffle,
-            seed=0,
-            shuffle_memory=args.shuffle_memory,
-        )
-    except (KerasTFRError, ValueError, TypeError, OSError) as e:
-        return _error("bench", e)
+    src = TFRecordSequenceSource(
+        args.directory,
+        batch_size=args.batch_size,
+        shuffle=not args.no_shuffle,
+        seed=0,
+        shuffle_memory=args.shuffle_memory,
+    )
     m = src.manifest
     samples = 0
     start = time.perf_counter()

@@ -18,6 +18,7 @@ import os
 import sys
 
 from keras_tfr._version import __version__
+from keras_tfr.errors import KerasTFRError
 
 # name -> (module, one-line help). Order is the order of `--help`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("keras-tfr: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError) as e:
+    except (KerasTFRError, ValueError, TypeError, OSError) as e:
+        # One place turns bad input into exit code 2 for every subcommand.
         print(f"keras-tfr {args.command}: error: {e}", file=sys.stderr)
         return 2
 

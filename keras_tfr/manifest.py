@@ -72,6 +72,12 @@ MANIFEST_NAME = "manifest.json"
 PROGRESS_NAME = ".keras-tfr-progress.json"
 COMPRESSIONS = (None, "GZIP", "ZLIB")
 
+# The writer's size defaults, here (a light module) so that every entry point that passes
+# them on (CLI, converters, predictions) states them once.
+DEFAULT_SHARD_SIZE = "128MB"
+DEFAULT_RECORD_SIZE = "1MB"
+DEFAULT_CHUNK_SIZE = "16MB"
+
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_FEATURES = 4096
 MAX_SHARDS = 10_000_000

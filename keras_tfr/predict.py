@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE
+
 __all__ = ["predict_to_records"]
 
 
@@ -33,8 +35,8 @@ def predict_to_records(
     steps: int | None = None,
     verbose: int = 1,
     overwrite: bool = False,
-    shard_size: int | str = "128MB",
-    record_size: int | str = "256KB",
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    record_size: int | str = DEFAULT_RECORD_SIZE,
     samples_per_record: int | None = None,
     compression: str | None = None,
     metadata: dict[str, Any] | None = None,

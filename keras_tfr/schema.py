@@ -403,6 +403,14 @@ def tf_decode_feature(raw_bytes, spec: FeatureSpec, block_samples: int):
 
     nbytes = block_samples * spec.sample_bytes
     u8 = tf.io.decode_raw(raw_bytes, tf.uint8, fixed_length=max(nbytes, 1))
+    return tf_bytes_to_feature(u8, spec)
+
+
+def tf_bytes_to_feature(u8, spec: FeatureSpec):
+    """[k, n * sample_bytes] uint8 -> [k * n, *shape] in the feature's dtype (a reshape and
+    a zero-copy bitcast; bool is one byte, 0 or 1)."""
+    import tensorflow as tf
+
     if spec.itemsize == 1:
         x = tf.reshape(u8, [-1, *spec.shape])
         if spec.dtype == "bool":

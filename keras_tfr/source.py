@@ -37,6 +37,7 @@ from keras_tfr.schema import (
     COUNT_KEY,
     FeatureSpec,
     check_host_byte_order,
+    tf_bytes_to_feature,
     tf_decode_feature,
     tf_decode_variable,
 )
@@ -462,7 +463,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
             scanned = records.concatenate(sentinel).scan(
                 (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), scan_fn
             )
-            scanned = scanned.filter(lambda i, r, is_end, ok: tf.logical_and(ok, not_(is_end)))
+            scanned = scanned.filter(
+                lambda i, r, is_end, ok: tf.logical_and(ok, tf.logical_not(is_end))
+            )
             if keep is not None:
                 scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
             return scanned.map(lambda i, r, e, ok: (i, r))
@@ -707,7 +710,7 @@ def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int,
             decoded = {}
             for s in specs:
                 seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
-                decoded[s.key] = _bytes_to_feature(seg, s)
+                decoded[s.key] = tf_bytes_to_feature(seg, s)
         k = tf.shape(serialized, out_type=tf.int64)[0]
         return decoded, tf.fill([k], tf.constant(spr, tf.int64))
 
@@ -722,19 +725,6 @@ def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int,
     return decode
 
 
-def _bytes_to_feature(u8, spec: FeatureSpec):
-    """[k, n * sample_bytes] uint8 -> [k * n, *shape] of the feature's dtype."""
-    if spec.itemsize == 1:
-        x = tf.reshape(u8, [-1, *spec.shape])
-        if spec.dtype == "bool":
-            return tf.cast(x, tf.bool)
-        if spec.dtype == "int8":
-            return tf.bitcast(x, tf.int8)
-        return x
-    x = tf.reshape(u8, [-1, *spec.shape, spec.itemsize])
-    return tf.bitcast(x, tf.as_dtype(spec.dtype))
-
-
 def _records_or_empty(path, compression: str):
     """`TFRecordDataset` of one shard; empty when the file does not exist.
 
@@ -747,7 +737,3 @@ def _records_or_empty(path, compression: str):
     pattern = tf.strings.regex_replace(path, r"([*?\[\]\\])", r"\\\1")
     found = tf.io.matching_files(pattern)[:1]
     return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)
-
-
-def not_(t):
-    return tf.logical_not(t)

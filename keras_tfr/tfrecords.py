@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from keras_tfr import _io
-from keras_tfr.manifest import parse_size
+from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, parse_size
 
 __all__ = [
     "COUNTS_NAME",
@@ -605,8 +605,8 @@ def convert_tfrecords(
     compression: str | None = None,
     read_batch_size: int = 1024,
     overwrite: bool = False,
-    shard_size: int | str = "128MB",
-    record_size: int | str = "256KB",
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    record_size: int | str = DEFAULT_RECORD_SIZE,
     samples_per_record: int | None = None,
     output_compression: str | None = None,
     min_shards: int = 8,
@@ -766,8 +766,9 @@ def add_convert_tfrecords_arguments(parser) -> None:
     parser.add_argument(
         "--output-compression", choices=["GZIP", "ZLIB"], help="compression of the new shards"
     )
-    parser.add_argument("--shard-size", default="128MB", help="target bytes per shard")
-    parser.add_argument("--record-size", default="256KB", help="target bytes per block")
+    from keras_tfr._cli_data import add_size_arguments
+
+    add_size_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -779,30 +780,22 @@ def _one_or_list(values: list[str] | None) -> Any:
 
 
 def run_convert_tfrecords(args) -> int:
-    """``keras-tfr convert-tfrecords``: 0 on success, 2 on bad input."""
-    from keras_tfr.errors import KerasTFRError
-
-    try:
-        features = dict(_parse_feature_arg(t) for t in args.feature) or None
-        manifest = convert_tfrecords(
-            args.paths,
-            args.directory,
-            features,
-            x=_one_or_list(args.x),
-            y=_one_or_list(args.y),
-            sample_weight=args.sample_weight,
-            compression=args.compression,
-            output_compression=args.output_compression,
-            shard_size=args.shard_size,
-            record_size=args.record_size,
-            overwrite=args.overwrite,
-            verbose=0 if args.quiet else 1,
-        )
-    except (KerasTFRError, ValueError, TypeError, OSError) as e:
-        import sys
-
-        print(f"keras-tfr convert-tfrecords: error: {e}", file=sys.stderr)
-        return 2
+    """``keras-tfr convert-tfrecords``: 0 on success; bad input exits 2 through `cli.main`."""
+    features = dict(_parse_feature_arg(t) for t in args.feature) or None
+    manifest = convert_tfrecords(
+        args.paths,
+        args.directory,
+        features,
+        x=_one_or_list(args.x),
+        y=_one_or_list(args.y),
+        sample_weight=args.sample_weight,
+        compression=args.compression,
+        output_compression=args.output_compression,
+        overwrite=args.overwrite,
+        verbose=0 if args.quiet else 1,
+        shard_size=args.shard_size,
+        record_size=args.record_size,
+    )
     print(
         f"wrote {manifest.total_samples} samples in {len(manifest.shards)} shards to "
         f"{args.directory}"

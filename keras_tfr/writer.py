@@ -13,6 +13,7 @@ a data set, and ``resume=True`` continues from the last complete shard.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,9 @@ from keras_tfr._version import __version__
 from keras_tfr.errors import DatasetExistsError, IncompleteDatasetError, ManifestError
 from keras_tfr.manifest import (
     COMPRESSIONS,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_RECORD_SIZE,
+    DEFAULT_SHARD_SIZE,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -50,9 +54,6 @@ __all__ = ["ArraysToRecords"]
 
 log = logging.getLogger("keras_tfr")
 
-DEFAULT_SHARD_SIZE = "128MB"
-DEFAULT_RECORD_SIZE = "1MB"
-DEFAULT_CHUNK_SIZE = "16MB"
 _SHARD_FILE = "shard-{:05d}.tfrecord"
 _SHARD_RE = re.compile(r"^shard-\d{5,}\.tfrecord(\.tmp)?$")
 
@@ -457,7 +458,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             self.abort()
             raise
         self._closed = True
-        if getattr(self, "_sink", None) is not None:
+        if self._sink is not None:
             self._sink.stop()
             self._sink = None
         self._lock.release()
@@ -475,7 +476,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_sink", None) is not None:
+        if self._sink is not None:
             self._sink.stop()
             self._sink = None
         if self._shard_writer is not None:
@@ -927,7 +928,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._shard_tmp = _io.join(self.directory, name + ".tmp")
         self._shard_writer = _open_record_file(self._shard_tmp, self.compression)
         self._shard_samples = self._shard_records = self._shard_crc = 0
-        if getattr(self, "_sink", None) is None:
+        if self._sink is None:
             self._sink = _RecordSink(max(2, (64 << 20) // max(1, self._record_bytes)))
         self._sink.start_shard(self._shard_writer)
 
@@ -1011,6 +1012,13 @@ def _slice(part: Any, start: int, stop: int) -> Any:
     return part[start:stop]
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _release_pages(arr: Any, start: int, stop: int) -> None:
     """Drops the converted rows of a read-only or shared memmap from this process' memory.
 
@@ -1036,8 +1044,7 @@ def _release_pages(arr: Any, start: int, stop: int) -> None:
         hi_aligned = hi // page * page
         if hi_aligned <= lo_aligned:
             return
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(
+        _libc().madvise(
             ctypes.c_void_p(lo_aligned),
             ctypes.c_size_t(hi_aligned - lo_aligned),
             mmap.MADV_DONTNEED,
