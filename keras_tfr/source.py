@@ -22,6 +22,7 @@ once per block):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -271,7 +272,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
                     self._drop_remainder,
                 )
             )
-        self._impl = self._build()
+        with _only_op_seeds():
+            self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
 
     # ----------------------------------------------------------- tf.data.Dataset API
@@ -675,6 +677,30 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values[0] if len(values) == 1 else values
 
         return fn
+
+
+@contextlib.contextmanager
+def _only_op_seeds():
+    """Lets `seed=` alone decide the source's order.
+
+    TensorFlow combines an op's seed with the global seed (`tf.random.set_seed`, which
+    `keras.utils.set_random_seed` calls), so the same `seed=` would shuffle differently
+    in a program that set one. While the pipeline is built (eagerly), the global seed is
+    hidden; it is not reset (`tf.random.set_seed` would restart the user's own random
+    sequence).
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    saved = getattr(ctx, "_seed", None)
+    if saved is None or not tf.executing_eagerly():
+        yield
+        return
+    ctx._seed = None
+    try:
+        yield
+    finally:
+        ctx._seed = saved
 
 
 def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool):

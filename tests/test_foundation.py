@@ -126,6 +126,24 @@ def test_golden_seeded_order(tmp_path):
     assert order == golden["seed0_20samples_2per_record_2shards"]
 
 
+def test_seeded_order_ignores_tensorflows_global_seed(tmp_path):
+    """`seed=` alone decides the order, whatever `keras.utils.set_random_seed` did."""
+    import keras
+
+    x = np.arange(20, dtype=np.int64)
+    d = str(tmp_path / "g")
+    ArraysToRecords.from_arrays(x, None, d, samples_per_record=2, min_shards=2, verbose=0)
+    keras.utils.set_random_seed(123)
+    order = next(iter(TFRecordSequenceSource(d, batch_size=20, shuffle=True, seed=0)))
+    golden_path = os.path.join(os.path.dirname(__file__), "golden_shuffle_order.json")
+    with open(golden_path) as f:
+        golden = json.load(f)
+    assert order.numpy().tolist() == golden["seed0_20samples_2per_record_2shards"]
+    from tensorflow.python.eager import context
+
+    assert context.global_seed() == 123, "the user's global seed is left in place"
+
+
 @pytest.mark.parametrize("split_seed", [0, 1])
 def test_validation_split_disjoint_complete_deterministic(make_dataset, small_xy, split_seed):
     x, y = small_xy
