@@ -401,6 +401,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         def op_seed(k: int) -> int | None:
             return None if seed is None else seed * 7919 + k
 
+        if self._direct_ok(specs):
+            return self._finish(self._build_direct(specs), specs, direct=True)
+
         files = [m.shard_path(s) for s in m.shards]
         first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)
         counts = np.array([s.records for s in m.shards], dtype=np.int64)
@@ -418,7 +421,6 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         keep = None if self._keep is None else tf.constant(self._keep)
         compression = m.compression or ""
-        skip_mode = self._on_corrupt == "skip"
 
         # Every full record of a fixed-layout data set has the same size and only the data
         # set's last record can be short, so record i of a shard starts at i * frame: an
@@ -573,15 +575,93 @@ class TFRecordSequenceSource(tf.data.Dataset):
             # cut here, so an epoch keeps exactly the step count Keras was given.
             pools = _distribute.via_service(pools, *self._service)
         batches = pools.rebatch(self._batch_size, drop_remainder=self._drop_remainder)
+        return self._finish(batches, specs, direct=False)
+
+    def _direct_ok(self, specs: list[FeatureSpec]) -> bool:
+        """Whether the direct read path (`keras_tfr._direct`) can read this data set."""
+        m = self._manifest
+        choice = os.environ.get("KERAS_TFR_READER", "auto").strip().lower()
+        if choice not in ("auto", "direct", "graph"):
+            raise ValueError(
+                f"Expected KERAS_TFR_READER to be 'auto', 'direct' or 'graph'. Received: {choice!r}"
+            )
+        if choice == "graph":
+            return False
+        from keras_tfr import _direct
+
+        reasons = []
+        if m.compression:
+            reasons.append(f"the shards are {m.compression}-compressed")
+        if m.record_bytes <= 0 or any(s.kind != "fixed" for s in specs):
+            reasons.append("it has variable-length features")
+        elif _direct.frame_bytes(specs, m.samples_per_record) != m.record_bytes + 16:
+            reasons.append("its manifest's record size does not match the record layout")
+        if self._service is not None:
+            reasons.append("the tf.data service runs the pipeline on its own workers")
+        if "://" in self._config["directory"]:
+            reasons.append("it is not on a local file system")
+        if not _direct.available():
+            reasons.append("this platform lacks os.preadv")
+        if reasons and choice == "direct":
+            raise ValueError(
+                "KERAS_TFR_READER=direct, but the direct reader cannot read "
+                f"{self._config['directory']}: " + "; ".join(reasons)
+            )
+        return not reasons
+
+    def _build_direct(self, specs: list[FeatureSpec]) -> tf.data.Dataset:
+        from keras_tfr import _direct
+
+        m = self._manifest
+        if self._keep is None:
+            kept = np.arange(m.total_records, dtype=np.int64)
+        else:
+            kept = np.flatnonzero(self._keep).astype(np.int64)
+        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
+        if self._shuffle:
+            pool_bytes = min(pool_bytes, max(m.record_bytes, self._shuffle_bytes // 4))
+
+        def skip(path: str, offset: int, index: int, n_records: int, problem: str) -> None:
+            self._report_skip(path, offset, index, n_records, lost=1, problem=problem)
+
+        plan = _direct.DirectPlan(
+            specs=specs,
+            files=[m.shard_path(s) for s in m.shards],
+            shard_records=[s.records for s in m.shards],
+            samples_per_record=m.samples_per_record,
+            total_samples=m.total_samples,
+            kept_records=kept,
+            num_samples=self._num_samples,
+            num_batches=self._steps - self._pad_batches,
+            batch_size=self._batch_size,
+            shuffle=self._shuffle,
+            seed=self._seed,
+            pool_bytes=pool_bytes,
+            readers=self._num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
+            skip=skip if self._on_corrupt == "skip" else None,
+        )
+        raw = _direct.dataset(plan, self._deterministic, self._drop_remainder)
+        # One map decodes and (without `decode=` steps in between) builds Keras' structure:
+        # each stage costs the iterator made at every epoch's start a few milliseconds.
+        structure = self._structure_fn(specs) if not self._decode else (lambda d: d)
+        return raw.map(
+            lambda *u8: structure({s.key: tf_bytes_to_feature(t, s) for s, t in zip(specs, u8)})
+        )
+
+    def _finish(self, batches: tf.data.Dataset, specs: list[FeatureSpec], direct: bool):
+        """The stages after batching, shared by both read paths."""
+        variable_specs = [s for s in specs if s.kind != "fixed"]
+        skip_mode = self._on_corrupt == "skip"
         if variable_specs or self._decode:
             from keras_tfr.tfrecords import finish_features
 
             finish = finish_features(self._decode, self._ragged)
             batches = batches.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        batches = batches.map(self._structure_fn(specs))
+        if not direct or self._decode:
+            batches = batches.map(self._structure_fn(specs))
         if self._pad_batches:
             batches = _distribute.pad_with_empty_batches(batches, self._pad_batches)
-        if skip_mode:
+        if skip_mode and not direct:
             # Dropped records would shorten the epoch: fill it from the next pass instead,
             # so Keras always gets exactly the step count it was given.
             batches = batches.repeat().take(self._steps)
@@ -596,6 +676,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
             off = tf.data.experimental.AutoShardPolicy.OFF
             options.experimental_distribute.auto_shard_policy = off
         options.experimental_optimization.map_parallelization = True
+        if direct:
+            options.experimental_optimization.apply_default_optimizations = False
         batches = batches.with_options(options)
         return batches
 
@@ -629,8 +711,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
             lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
         )
 
-    def _report_skip(self, path: str, offset: int, index: int, n_records: int) -> bool:
-        lost = n_records - index
+    def _report_skip(
+        self,
+        path: str,
+        offset: int,
+        index: int,
+        n_records: int,
+        lost: int | None = None,
+        problem: str | None = None,
+    ) -> bool:
+        """Counts and logs a skipped record; ``lost`` records go (default: the rest of the
+        shard, as TensorFlow's reader cannot resume after a bad record)."""
+        if lost is None:
+            lost = n_records - index
         with self._corrupt_lock:
             # Counted once per damaged record, not once per pass: filling the epoch and
             # every later epoch read the same damage again.
@@ -639,7 +732,18 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 self._corrupt_seen.add((path, index))
                 self.corrupt_records += lost
             total = self.corrupt_records
-        if new:
+        if new and problem is not None:
+            log.warning(
+                "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d): "
+                "%s; %d record(s) skipped so far",
+                path,
+                offset,
+                index,
+                n_records,
+                problem,
+                total,
+            )
+        elif new:
             log.warning(
                 "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d) "
                 "and the %d record(s) after it in that shard; %d record(s) skipped so far",

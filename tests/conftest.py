@@ -31,3 +31,11 @@ def make_dataset(tmp_path):
         return directory
 
     return make
+
+
+@pytest.fixture(params=["direct", "graph"])
+def reader(request, monkeypatch):
+    """Runs a test with each read path of `TFRecordSequenceSource` (``KERAS_TFR_READER``):
+    the direct reader (`keras_tfr._direct`) and the tf.data graph reader."""
+    monkeypatch.setenv("KERAS_TFR_READER", request.param)
+    return request.param

@@ -112,7 +112,7 @@ def test_shuffle_is_seeded_reshuffled_each_epoch_and_complete(make_dataset):
     assert np.median(spreads) > 30
 
 
-def test_golden_seeded_order(tmp_path):
+def test_golden_seeded_order(tmp_path, reader):
     """Pins the seeded order: a change to the shuffle breaks reproducibility for users."""
     x = np.arange(20, dtype=np.int64)
     d = str(tmp_path / "g")
@@ -123,10 +123,10 @@ def test_golden_seeded_order(tmp_path):
     with open(golden_path) as f:
         golden = json.load(f)
     assert sorted(order) == list(range(20))
-    assert order == golden["seed0_20samples_2per_record_2shards"]
+    assert order == golden[reader]["seed0_20samples_2per_record_2shards"]
 
 
-def test_seeded_order_ignores_tensorflows_global_seed(tmp_path):
+def test_seeded_order_ignores_tensorflows_global_seed(tmp_path, reader):
     """`seed=` alone decides the order, whatever `keras.utils.set_random_seed` did."""
     import keras
 
@@ -138,7 +138,7 @@ def test_seeded_order_ignores_tensorflows_global_seed(tmp_path):
     golden_path = os.path.join(os.path.dirname(__file__), "golden_shuffle_order.json")
     with open(golden_path) as f:
         golden = json.load(f)
-    assert order.numpy().tolist() == golden["seed0_20samples_2per_record_2shards"]
+    assert order.numpy().tolist() == golden[reader]["seed0_20samples_2per_record_2shards"]
     from tensorflow.python.eager import context
 
     assert context.global_seed() == 123, "the user's global seed is left in place"

@@ -23,6 +23,8 @@ from keras_tfr.manifest import MANIFEST_NAME, Manifest
 from keras_tfr.schema import encode_block
 from keras_tfr.verifier import verify
 
+pytestmark = pytest.mark.usefixtures("reader")  # every test runs with both read paths
+
 SPR = 4  # samples per record
 N = 240  # 60 records
 RECORDS_PER_SHARD = 15
@@ -232,8 +234,11 @@ def test_deleted_shard_after_opening_is_named_not_a_hang(dataset):
 # ------------------------------------------------------------------ corruption, skip mode
 
 
-def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog):
+def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog, reader):
     d, x, _, m = dataset
+    # The direct reader drops just the damaged record; TensorFlow's reader cannot resume
+    # after a bad record, so the rest of the shard goes.
+    lost_records = 1 if reader == "direct" else RECORDS_PER_SHARD - 10
     path = os.path.join(d, m.shards[1].file)
     src = TFRecordSequenceSource(d, batch_size=8, shuffle=False, on_corrupt="skip")
     steps = len(src)
@@ -244,28 +249,31 @@ def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog):
             assert len(batches) == steps == N // 8, "the epoch is filled to the announced length"
             # The fill starts a new pass, so one batch in the middle may be partial.
             assert N - 8 <= _check_samples(batches, x) <= N
-            # TensorFlow's reader cannot resume after a bad record: the rest of the shard goes.
-            assert src.corrupt_records == RECORDS_PER_SHARD - 10, "counted once, not per pass"
+            assert src.corrupt_records == lost_records, "counted once, not per pass"
             seen = np.concatenate([b[1] for b in batches])
-            lost = np.arange(RECORDS_PER_SHARD + 10, 2 * RECORDS_PER_SHARD) * SPR
+            first_lost = (RECORDS_PER_SHARD + 10) * SPR
+            lost = np.arange(first_lost, first_lost + lost_records * SPR)
             assert not np.isin(lost, seen).any()
+            kept = np.setdiff1d(np.arange(N), lost)
+            assert np.isin(kept, seen).all(), "nothing but the damaged record is lost"
     warnings_ = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings_) == 1, "logged once per damaged record"
     assert f"{path} at byte offset {10 * _frame(m)} (record 10 of 15)" in warnings_[0].getMessage()
 
 
-def test_skip_stops_past_the_limit(dataset):
+def test_skip_stops_past_the_limit(dataset, reader):
     d, _, _, m = dataset
     for shard in (0, 2):
-        _flip(os.path.join(d, m.shards[shard].file), 12 * _frame(m) + 40)  # 3 records lost each
-    src = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=5)
-    with pytest.raises(tf.errors.OpError, match="more than max_corrupt_records=5") as e:
+        _flip(os.path.join(d, m.shards[shard].file), 12 * _frame(m) + 40)
+    lost = 2 if reader == "direct" else 6  # the graph reader loses the 3 records left each
+    src = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=lost - 1)
+    with pytest.raises(tf.errors.OpError, match=f"more than max_corrupt_records={lost - 1}") as e:
         _drain(src)
     msg = str(e.value)
     assert "byte offset" in msg and (m.shards[0].file in msg or m.shards[2].file in msg)
-    ok = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=6)
+    ok = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=lost)
     assert len(_drain(ok)) == len(ok)
-    assert ok.corrupt_records == 6
+    assert ok.corrupt_records == lost
 
 
 def test_skip_with_shuffle_and_validation_split(dataset):
@@ -301,7 +309,7 @@ class _CountBatches(keras.callbacks.Callback):
         self.per_epoch = []
 
 
-def test_keras_fit_in_skip_mode_runs_the_announced_steps(dataset):
+def test_keras_fit_in_skip_mode_runs_the_announced_steps(dataset, reader):
     d, _, _, m = dataset
     _flip(os.path.join(d, m.shards[0].file), 3 * _frame(m) + 60)
     src = TFRecordSequenceSource(d, batch_size=16, shuffle=True, seed=1, on_corrupt="skip")
@@ -313,7 +321,7 @@ def test_keras_fit_in_skip_mode_runs_the_announced_steps(dataset):
         model.fit(src, epochs=3, verbose=0, callbacks=[counter])
     assert counter.per_epoch == [len(src)] * 3 == [N // 16] * 3
     assert not [w for w in caught if "ran out of data" in str(w.message)]
-    assert src.corrupt_records == RECORDS_PER_SHARD - 3
+    assert src.corrupt_records == (1 if reader == "direct" else RECORDS_PER_SHARD - 3)
 
 
 def test_keras_fit_in_raise_mode_stops_with_the_file_name(dataset):
