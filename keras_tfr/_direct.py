@@ -32,8 +32,6 @@ How:
 from __future__ import annotations
 
 import bisect
-import ctypes
-import glob
 import itertools
 import os
 import struct
@@ -45,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_tfr import _crc
 from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
@@ -52,51 +51,12 @@ _UNIT_BYTES = 8 << 20  # what one Python call cuts: several batches
 _TRUNCATED = "the file ends inside this record (truncated)"
 
 
-# --------------------------------------------------------------------------- CRC-32C
-
-
-def _load_crc32c() -> Callable[[int, int, int], int] | None:
-    """``extend(crc, address, length)`` from the CRC-32C library `google-crc32c` ships
-    (hardware instructions; ctypes releases the GIL during the call), or None."""
-    try:
-        import google_crc32c
-    except ImportError:  # pragma: no cover - a declared dependency
-        return None
-    base = os.path.dirname(google_crc32c.__file__)
-    names = glob.glob(base + ".libs/libcrc32c*") + glob.glob(os.path.join(base, "*crc32c*.so*"))
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-            fn = lib.crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_uint32
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        probe = np.frombuffer(b"123456789", dtype=np.uint8)
-        if fn(0, probe.ctypes.data, 9) == 0xE3069283:  # the CRC-32C check value
-            return fn
-    return None
-
-
-_crc_extend = _load_crc32c()
-
-
 def _crc_of(parts: list[np.ndarray]) -> int:
-    crc = 0
-    if _crc_extend is not None:
-        for p in parts:
-            if p.nbytes:
-                crc = _crc_extend(crc, p.ctypes.data, p.nbytes)
-        return crc
-    import google_crc32c  # slower: one copy per part
-
-    for p in parts:
-        crc = google_crc32c.extend(crc, p.tobytes())
-    return crc
+    return _crc.crc32c(parts)
 
 
 def _masked(crc: int) -> int:
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    return _crc.masked(crc)
 
 
 def available() -> bool:
