@@ -98,8 +98,15 @@ def open_read(path: str):
     return open(path, "rb")
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Writes `data` to a temporary name beside `path`, then renames it into place."""
+def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
+    """Writes `data` to a temporary name beside `path`, then renames it into place.
+
+    The rename alone makes the file whole or absent for any reader, a killed process
+    included; ``durable`` also syncs it to disk (against a crash of the machine). An
+    `fsync` can wait for all the data written before it (ext4 commits in order): the
+    writer's journal, replaced after every shard, is not synced, as a resume verifies
+    every shard it lists and a journal damaged by a crash is reported.
+    """
     tmp = f"{path}.tmp-{os.getpid()}"
     if is_remote(path):
         with _gfile().GFile(tmp, "wb") as f:
@@ -107,10 +114,11 @@ def write_atomic(path: str, data: bytes) -> None:
     else:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
     rename(tmp, path)
-    if not is_remote(path):
+    if durable and not is_remote(path):
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -127,8 +135,9 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8"))
+def write_json_atomic(path: str, obj: Any, durable: bool = True) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8")
+    write_atomic(path, data, durable=durable)
 
 
 def _pid_alive(pid: int) -> bool:

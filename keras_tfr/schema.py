@@ -263,12 +263,17 @@ class BlockEncoder:
         for a non-fixed spec, a pair ``(values, lengths)`` of buffers."""
         if any(s.kind != "fixed" for s in self.specs):
             return self._encode_variable(count, payloads)
+        return b"".join(self.encode_parts(count, payloads))
+
+    def encode_parts(self, count: int, payloads: list[Any]) -> list[Any]:
+        """The record of `encode` (fixed kinds only) as its parts, in order: small header
+        ``bytes`` and the payload buffers themselves, not copied."""
         example_header, entries, count_entry = self._headers(count)
-        parts: list[Any] = [example_header, count_entry]
+        parts: list[Any] = [example_header + count_entry]
         for header, payload in zip(entries, payloads):
             parts.append(header)
             parts.append(payload)
-        return b"".join(parts)
+        return parts
 
     def _encode_variable(self, count: int, payloads: list[Any]) -> bytes:
         # Headers depend on each block's payload sizes: computed per block.

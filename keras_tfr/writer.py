@@ -26,7 +26,7 @@ import google_crc32c
 import keras
 import numpy as np
 
-from keras_tfr import _io
+from keras_tfr import _crc, _io
 from keras_tfr._version import __version__
 from keras_tfr.errors import DatasetExistsError, IncompleteDatasetError, ManifestError
 from keras_tfr.manifest import (
@@ -376,6 +376,8 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._shard_samples = 0
         self._shard_records = 0
         self._shard_crc = 0
+        self._zero_copy = False  # records written as parts, payloads not joined
+        self._borrowed = False  # queued records point into the caller's arrays
         self._progbar = None
 
     # ------------------------------------------------------------------ public API
@@ -785,6 +787,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._record_bytes = probe.record_bytes
         self.compression = probe.compression
         self._records_per_shard = records_per_shard
+        self._zero_copy = self._can_zero_copy()
         self._shards = kept
         self._samples_written = sum(s.samples for s in kept)
         self.resumed_samples = self._samples_written
@@ -820,11 +823,16 @@ class ArraysToRecords(keras.callbacks.Callback):
             self._record_bytes = len(
                 self._encoder.encode(spr, [b"\0" * (spr * s.sample_bytes) for s in self._specs])
             )
+        self._zero_copy = self._can_zero_copy()
         per_shard = max(1, self.shard_size // (self._record_bytes + 16))
         if self.expected_samples:
             total_records = math.ceil(self.expected_samples / spr)
             per_shard = min(per_shard, max(1, math.ceil(total_records / self.min_shards)))
         self._records_per_shard = per_shard
+
+    def _can_zero_copy(self) -> bool:
+        fixed = all(s.kind == "fixed" for s in self._specs or [])
+        return self.compression is None and _crc.hardware() and fixed
 
     def _write_validated(self, batch: _Batch, start: int = 0) -> None:
         self._open()
@@ -840,6 +848,16 @@ class ArraysToRecords(keras.callbacks.Callback):
         if any(s.kind != "fixed" for s in batch.specs):
             self._append_variable(batch, start)
             return
+        try:
+            self._append_fixed(batch, start)
+        finally:
+            if self._borrowed:
+                # Queued records may point into the caller's arrays: written before
+                # `write` returns (or raises), so the caller may reuse them.
+                self._borrowed = False
+                self._sink.finish_shard()
+
+    def _append_fixed(self, batch: _Batch, start: int) -> None:
         spr = self._spr
         n = batch.n
         i = start
@@ -857,6 +875,8 @@ class ArraysToRecords(keras.callbacks.Callback):
             nblocks = min(chunk_blocks, (n - i) // spr)
             end = i + nblocks * spr
             views = []
+            for arr in batch.arrays:
+                _populate_pages(arr, i, end)
             for spec, arr in zip(batch.specs, batch.arrays):
                 views.append((memoryview(to_le_bytes(arr[i:end], spec)).cast("B"), spec))
             for b in range(nblocks):
@@ -866,8 +886,8 @@ class ArraysToRecords(keras.callbacks.Callback):
                     payloads.append(mv[b * bb : (b + 1) * bb])
                 self._emit(spr, payloads)
             del views
-            for arr in batch.arrays:
-                _release_pages(arr, i, end)
+            # After the sink wrote these rows (it may still be reading them).
+            self._sink.put(("release", batch.arrays, i, end))
             i = end
             self._samples_written += nblocks * spr
             if self._progbar is not None:
@@ -911,11 +931,19 @@ class ArraysToRecords(keras.callbacks.Callback):
 
     def _emit(self, count: int, payloads: list[Any]) -> None:
         assert self._encoder is not None
-        record = self._encoder.encode(count, payloads)
         if self._shard_writer is None:
             self._open_shard()
-        # Checksums here, while the record is hot in the cache; the sink thread only writes.
-        record_crc = google_crc32c.value(record)
+        if self._zero_copy:
+            # The payloads are written straight from the caller's arrays (a memmap's pages
+            # included): no joined copy of the record; `write` waits for the sink before
+            # it returns, so the caller may reuse its arrays afterwards.
+            record: Any = self._encoder.encode_parts(count, payloads)
+            record_crc = _crc.crc32c(record)
+            self._borrowed = True
+        else:
+            record = self._encoder.encode(count, payloads)
+            # Checksums here, while the record is hot in the cache; the sink only writes.
+            record_crc = google_crc32c.value(record)
         self._shard_crc = google_crc32c.extend(self._shard_crc, struct.pack("<I", record_crc))
         self._sink.put((record, record_crc))
         self._shard_records += 1
@@ -970,7 +998,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             },
             "shards": [s.to_json() for s in self._shards],
         }
-        _io.write_json_atomic(_io.join(self.directory, PROGRESS_NAME), journal)
+        _io.write_json_atomic(_io.join(self.directory, PROGRESS_NAME), journal, durable=False)
 
 
 def _is_atomic_tmp(name: str) -> bool:
@@ -1031,6 +1059,14 @@ def _release_pages(arr: Any, start: int, stop: int) -> None:
         return
     if not arr.flags.c_contiguous or arr.ndim == 0:
         return
+    import mmap
+
+    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True)
+
+
+def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool) -> None:
+    """`madvise` on rows ``[start, stop)`` of a C-contiguous array: on the whole pages
+    inside them (``inward``) or on every page they touch. Errors are ignored (an advice)."""
     try:
         import ctypes
         import mmap
@@ -1040,17 +1076,25 @@ def _release_pages(arr: Any, start: int, stop: int) -> None:
         page = mmap.PAGESIZE
         lo = base + start * row
         hi = base + stop * row
-        lo_aligned = (lo + page - 1) // page * page
-        hi_aligned = hi // page * page
-        if hi_aligned <= lo_aligned:
+        if inward:
+            lo, hi = (lo + page - 1) // page * page, hi // page * page
+        else:
+            lo, hi = lo // page * page, (hi + page - 1) // page * page
+        if hi <= lo:
             return
-        _libc().madvise(
-            ctypes.c_void_p(lo_aligned),
-            ctypes.c_size_t(hi_aligned - lo_aligned),
-            mmap.MADV_DONTNEED,
-        )
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice)
     except (OSError, AttributeError, ValueError):
         pass
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+: maps a range of pages in one call
+
+
+def _populate_pages(arr: Any, start: int, stop: int) -> None:
+    """Maps rows of a memmap with one `madvise` instead of a page fault per 4 KB page."""
+    if not isinstance(arr, np.memmap) or not arr.flags.c_contiguous or arr.ndim == 0:
+        return
+    _madvise(arr, start, stop, _MADV_POPULATE_READ, inward=False)
 
 
 class _RecordSink:
@@ -1074,17 +1118,31 @@ class _RecordSink:
         self._thread.start()
 
     def _run(self) -> None:
+        import queue
+
         while True:
-            item = self._queue.get()
+            # What else is queued goes out with it: one `writev` for several records.
+            items = [self._queue.get()]
+            while len(items) < 64 and _is_record(items[-1]):
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is None:
-                    return
-                if self._error is None:
-                    self._writer.write(*item)
+                records = [it for it in items if _is_record(it)]
+                if records and self._error is None:
+                    self._writer.write_many(records)
+                for it in items:
+                    if it is not None and not _is_record(it):
+                        for arr in it[1]:
+                            _release_pages(arr, it[2], it[3])
             except BaseException as e:  # surfaced in the caller's thread
                 self._error = e
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+            if items[-1] is None:
+                return
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -1096,8 +1154,10 @@ class _RecordSink:
         self._raise_pending()
         self._writer = writer
 
-    def put(self, item: tuple[bytes, int]) -> None:
-        """Queues ``(record, its CRC-32C)`` for writing."""
+    def put(self, item: tuple) -> None:
+        """Queues ``(record, its CRC-32C)`` for writing (the record as bytes or as a list
+        of parts), or ``("release", arrays, start, stop)`` to drop memmap pages once the
+        records before it are written."""
         self._raise_pending()
         self._queue.put(item)
 
@@ -1110,6 +1170,10 @@ class _RecordSink:
         self._queue.put(None)
         self._thread.join()
         self._error = None
+
+
+def _is_record(item: Any) -> bool:
+    return item is not None and not (isinstance(item[0], str) and item[0] == "release")
 
 
 def _masked_crc(data: bytes, crc: int | None = None) -> bytes:
@@ -1135,17 +1199,37 @@ class _FramedFile:
         else:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
-    def write(self, record: bytes, crc: int | None = None) -> None:
-        header = struct.pack("<Q", len(record))
-        parts = [header + _masked_crc(header), record, _masked_crc(record, crc)]
+    def write(self, record: Any, crc: int | None = None) -> None:
+        """Writes one record: ``bytes``, or a list of buffers (written without joining)."""
+        self.write_many([(record, crc)])
+
+    def write_many(self, records: list[tuple[Any, int | None]]) -> None:
+        """Writes ``(record, its CRC-32C or None)`` pairs with as few `writev` calls as
+        IOV_MAX allows."""
+        parts: list[Any] = []
+        total = 0
+        for record, crc in records:
+            body = record if isinstance(record, list) else [record]
+            if crc is None:
+                crc = _crc.crc32c(body)
+            length = sum(memoryview(p).nbytes for p in body)
+            header = struct.pack("<Q", length)
+            parts += [header + _masked_crc(header), *body, _crc.masked_bytes(crc)]
+            total += length + 16
+            if len(parts) > 512:  # IOV_MAX is 1024 on Linux
+                self._write_parts(parts, total)
+                parts, total = [], 0
+        if parts:
+            self._write_parts(parts, total)
+
+    def _write_parts(self, parts: list[Any], total: int) -> None:
         if self._remote:
             for part in parts:
-                self._f.write(part)
+                self._f.write(bytes(part))
             return
-        total = sum(len(p) for p in parts)
         written = os.writev(self._fd, parts)
         if written != total:  # rare short write: finish it byte-exactly
-            rest = b"".join(parts)[written:]
+            rest = b"".join(bytes(p) for p in parts)[written:]
             while rest:
                 rest = rest[os.write(self._fd, rest) :]
 
@@ -1172,8 +1256,14 @@ class _CompressedFile:
     def __init__(self, writer: Any):
         self._writer = writer
 
-    def write(self, record: bytes, crc: int | None = None) -> None:
+    def write(self, record: Any, crc: int | None = None) -> None:
+        if isinstance(record, list):
+            record = b"".join(bytes(p) for p in record)
         self._writer.write(record)
+
+    def write_many(self, records: list[tuple[Any, int | None]]) -> None:
+        for record, crc in records:
+            self.write(record, crc)
 
     def close(self) -> None:
         self._writer.close()

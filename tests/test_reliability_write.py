@@ -552,3 +552,28 @@ def test_resume_from_an_iterable_of_batches_skips_what_was_written(tmp_path):
     ArraysToRecords.from_arrays(batches(), directory=d, resume=True, **LAYOUT)
     ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
     _assert_same_dataset(d, ref)
+
+
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_caller_may_reuse_its_arrays_once_write_returns(tmp_path, compression):
+    """Full records are written straight from the caller's arrays (no joined copy): `write`
+    must not return while a queued record still points into them."""
+    from keras_tfr import TFRecordSequenceSource
+
+    buf = np.zeros((64, 3), np.float32)
+    labels = np.zeros(64, np.int64)
+    d = str(tmp_path / "ds")
+    expected = []
+    with ArraysToRecords(
+        d, samples_per_record=8, shard_size="2KB", compression=compression, verbose=0
+    ) as w:
+        for k in range(6):
+            buf[:] = np.arange(64 * 3, dtype=np.float32).reshape(64, 3) + 1000 * k
+            labels[:] = np.arange(64) + 64 * k
+            w.write(buf, labels)
+            expected.append(buf.copy())
+            buf[:] = -1  # the caller reuses its buffer at once
+            labels[:] = -1
+    got = list(TFRecordSequenceSource(d, batch_size=64, shuffle=False))
+    assert np.array_equal(np.concatenate([bx.numpy() for bx, _ in got]), np.concatenate(expected))
+    assert np.array_equal(np.concatenate([by.numpy() for _, by in got]), np.arange(6 * 64))
