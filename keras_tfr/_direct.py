@@ -37,6 +37,7 @@ import os
 import struct
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -188,13 +189,27 @@ class DirectPlan:
         self.skip = skip
         self.sample_bytes = [s.sample_bytes for s in specs]
         self._epochs = itertools.count()
+        self._prepared: list[Epoch | None] = [None]  # a box, for the finalizer
+        self._prepared_lock = threading.Lock()
+        weakref.finalize(self, _close_prepared, self._prepared)
         # Buffers are reused across epochs (Keras makes an iterator per epoch).
         rows = self.pool_records * samples_per_record
         self.pool_buffers = [_Recycler(rows, sb) for sb in self.sample_bytes]
         self.unit_buffers = [_Recycler(self.unit_rows, sb) for sb in self.sample_bytes]
 
-    def next_epoch(self) -> int:
-        return next(self._epochs)
+    def new_epoch(self) -> Epoch:
+        """The next epoch: the one prepared while the last ended, or a new one."""
+        with self._prepared_lock:
+            epoch, self._prepared[0] = self._prepared[0], None
+        return epoch if epoch is not None else Epoch(self, next(self._epochs))
+
+    def prepare_epoch(self) -> None:
+        """Starts reading the next epoch's first pools (Keras asks for its iterator when
+        the current epoch's last steps, callbacks and validation are done)."""
+        with self._prepared_lock:
+            if self._prepared[0] is None:
+                epoch = self._prepared[0] = Epoch(self, next(self._epochs))
+                epoch.start()
 
     def locate(self, record: int) -> tuple[int, int]:
         shard = int(np.searchsorted(self.first, record, side="right") - 1)
@@ -238,6 +253,8 @@ class Epoch:
         )
         self._units: dict[int, Future] = {}
         self._next_unit = 0
+        self._current: list[np.ndarray] | None = None  # the unit batches are cut from
+        self._offset = 0
         n = len(plan.kept)
         self._pools_per_pass = max(1, -(-n // plan.pool_records))
 
@@ -405,6 +422,16 @@ class Epoch:
         self._release(i, used)
         return outs
 
+    def start(self) -> None:
+        """Starts cutting the first units (and so reading the first pools)."""
+        with self._lock:
+            self._submit_units(0)
+
+    def _submit_units(self, k: int) -> None:
+        for q in range(k, min(k + 1 + self.plan.readers, self.plan.num_units)):
+            if q not in self._units:
+                self._units[q] = self._cutter.submit(self.unit, q)
+
     def next_unit(self) -> list[np.ndarray]:
         """The epoch's next unit; the ones after it are cut in the background meanwhile."""
         k = self._next_unit
@@ -414,11 +441,22 @@ class Epoch:
         with self._lock:
             if self._closed:
                 raise StopIteration
-            for q in range(k, min(k + 1 + self.plan.readers, self.plan.num_units)):
-                if q not in self._units:
-                    self._units[q] = self._cutter.submit(self.unit, q)
+            self._submit_units(k)
             fut = self._units.pop(k)
-        return fut.result()
+        unit = fut.result()
+        if k == self.plan.num_units - 1:
+            self.plan.prepare_epoch()
+        return unit
+
+    def next_batch(self) -> list[np.ndarray]:
+        """The epoch's next batch: a view of the current unit (no copy)."""
+        b = self.plan.batch_size
+        if self._current is None or self._offset >= len(self._current[0]):
+            self._current = self.next_unit()
+            self._offset = 0
+        lo = self._offset
+        self._offset = lo + b
+        return [u[lo : lo + b] for u in self._current]
 
     def _pool_at(self, pos: int) -> int:
         """Index of the pool holding stream position ``pos``."""
@@ -459,6 +497,12 @@ class Epoch:
                 except OSError:  # pragma: no cover
                     pass
             self._fds.clear()
+
+
+def _close_prepared(box: list) -> None:
+    epoch, box[0] = box[0], None
+    if epoch is not None:
+        epoch.close()
 
 
 class _Recycler:
@@ -510,14 +554,14 @@ def dataset(plan: DirectPlan, deterministic: bool, drop_remainder: bool) -> Any:
     def init(_unused):
         eid = next(_ids)
         with _registry_lock:
-            _registry[eid] = Epoch(plan, plan.next_epoch())
+            _registry[eid] = plan.new_epoch()
         return np.int64(eid)
 
-    def next_unit(eid):
+    def next_batch(eid):
         epoch = _registry.get(int(eid))
         if epoch is None:  # pragma: no cover - the iterator is gone
             raise StopIteration
-        return epoch.next_unit()
+        return epoch.next_batch()
 
     def finalize(eid):
         with _registry_lock:
@@ -526,32 +570,23 @@ def dataset(plan: DirectPlan, deterministic: bool, drop_remainder: bool) -> Any:
             epoch.close()
         return np.int64(0)
 
-    b = plan.batch_size
-    rows = b if drop_remainder else None
+    rows = plan.batch_size if drop_remainder else None
     n_specs = len(plan.specs)
-    unit_spec = tuple(tf.TensorSpec([None, sb], tf.uint8) for sb in plan.sample_bytes)
+    batch_spec = tuple(tf.TensorSpec([rows, sb], tf.uint8) for sb in plan.sample_bytes)
 
     def cut(eid):
-        outs = tf.numpy_function(next_unit, [eid], [tf.uint8] * n_specs)
-        return tuple(tf.ensure_shape(o, [None, sb]) for o, sb in zip(outs, plan.sample_bytes))
+        # One Python call per batch, a view of a unit: TensorFlow adopts it without a copy
+        # when it is 64-byte aligned (a batch of `batch_size * sample_bytes` a multiple of
+        # 64), and copies it otherwise.
+        outs = tf.numpy_function(next_batch, [eid], [tf.uint8] * n_specs)
+        return tuple(tf.ensure_shape(o, [rows, sb]) for o, sb in zip(outs, plan.sample_bytes))
 
-    def units(dummy):
-        return _GeneratorDataset(
-            dummy,
-            lambda d: tf.numpy_function(init, [d], tf.int64),
-            cut,
-            lambda e: tf.numpy_function(finalize, [e], tf.int64),
-            unit_spec,
-        )
-
-    def split(*unit):
-        # A slice along the first axis of an aligned tensor shares its buffer.
-        n = (tf.shape(unit[0], out_type=tf.int64)[0] + b - 1) // b
-
-        def batch(j):
-            return tuple(tf.ensure_shape(u[j * b : (j + 1) * b], [rows, u.shape[1]]) for u in unit)
-
-        return tf.data.Dataset.range(n).map(batch)
-
-    # The generator dataset calls `init` for every new iterator (Keras makes one per epoch).
-    return units(np.int64(0)).flat_map(split)
+    # The generator dataset calls `init` for every new iterator (Keras makes one per epoch)
+    # and `finalize` when the iterator is done or dropped.
+    return _GeneratorDataset(
+        np.int64(0),
+        lambda d: tf.numpy_function(init, [d], tf.int64),
+        cut,
+        lambda e: tf.numpy_function(finalize, [e], tf.int64),
+        batch_spec,
+    )

@@ -5,9 +5,19 @@ variant tensor is handed to ``Dataset.__init__``), so the whole read path runs i
 tf.data's C++ runtime and Keras takes it as it takes any data set, with the TensorFlow,
 JAX and torch backends alike.
 
-The pipeline, stage by stage (each stage works on records, i.e. blocks of samples, or on
-pools of blocks, never on single samples, so the per-element overhead of tf.data is paid
-once per block):
+Two read paths give the same batches, checks and step counts:
+
+* the **direct reader** (`keras_tfr._direct`), used for uncompressed data sets of
+  fixed-size features on a local file system: records are read with `os.preadv` straight
+  into per-feature pools, checked with hardware CRC-32C and gathered into batches with
+  NumPy (about a quarter of the CPU per byte of the graph path);
+* the **graph reader** below, used for everything else (GZIP/ZLIB shards, variable-length
+  features, `gs://` and other `tf.io.gfile` URLs, the tf.data service, platforms without
+  `os.preadv`), or everywhere with the environment variable ``KERAS_TFR_READER=graph``.
+
+The graph pipeline, stage by stage (each stage works on records, i.e. blocks of samples,
+or on pools of blocks, never on single samples, so the per-element overhead of tf.data is
+paid once per block):
 
 1. shard list from the manifest (shuffled each epoch when ``shuffle=True``);
 2. parallel interleave of `TFRecordDataset` readers, one per shard; a scan counts records
