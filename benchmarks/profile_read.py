@@ -1,9 +1,11 @@
-"""Where the read path spends its CPU: the keras-tfr pipeline built up stage by stage.
+"""Where the read path spends its CPU: both keras-tfr read paths built up stage by stage.
 
 Each line adds one stage to the one before and reports CPU seconds per GB of shard data
 (process time, all threads; less sensitive to other load on the machine than wall time)
 and the bytes copied per byte read by the stages so far. The difference between two
-lines is the cost of the stage added.
+lines is the cost of the stage added. First the graph reader (TensorFlow's TFRecord
+reader and tf.data ops), then the direct reader (`keras_tfr._direct`: `os.preadv`,
+hardware CRC-32C, NumPy gathers), each ending with the whole `TFRecordSequenceSource`.
 
 Usage::
 
@@ -36,6 +38,58 @@ def cpu_per_gb(ds, total_bytes: int, reps: int = 3) -> tuple[float, float]:
         best_cpu = min(best_cpu, time.process_time() - c0)
         best_wall = min(best_wall, time.perf_counter() - t0)
     return best_cpu / (total_bytes / 1e9), total_bytes / best_wall / 1e9
+
+
+class _PythonStage:
+    """An epoch of the direct reader's Python side alone, iterated like a data set."""
+
+    def __init__(self, directory: str, cut_units: bool):
+        import numpy as np
+
+        from keras_tfr import _direct
+
+        m = Manifest.load(directory)
+        specs = sorted(m.features, key=lambda s: s.key)
+        batches = -(-m.total_samples // 256)
+        self.plan = _direct.DirectPlan(
+            specs=specs,
+            files=[m.shard_path(s) for s in m.shards],
+            shard_records=[s.records for s in m.shards],
+            samples_per_record=m.samples_per_record,
+            total_samples=m.total_samples,
+            kept_records=np.arange(m.total_records),
+            num_samples=m.total_samples,
+            num_batches=batches,
+            batch_size=256,
+            shuffle=True,
+            seed=0,
+            pool_bytes=16 << 20,
+            readers=2,
+            skip=None,
+        )
+        self.cut_units = cut_units
+
+    def __iter__(self):
+        from keras_tfr import _direct
+
+        epoch = _direct.Epoch(self.plan, 0)
+        try:
+            if self.cut_units:
+                for i in range(self.plan.num_units):
+                    yield epoch.unit(i)
+            else:
+                for p in range(epoch._pools_per_pass):
+                    yield epoch._load(p)
+        finally:
+            epoch.close()
+
+
+def _source(directory: str, reader: str):
+    os.environ["KERAS_TFR_READER"] = reader
+    try:
+        return TFRecordSequenceSource(directory, batch_size=256, shuffle=True, seed=0)
+    finally:
+        del os.environ["KERAS_TFR_READER"]
 
 
 def main(directory: str) -> None:
@@ -80,11 +134,10 @@ def main(directory: str) -> None:
             .rebatch(256)
             .prefetch(auto),
         ),
-        (
-            "TFRecordSequenceSource(shuffle=True, seed=0)",
-            7,
-            TFRecordSequenceSource(directory, batch_size=256, shuffle=True, seed=0),
-        ),
+        ("TFRecordSequenceSource, graph reader", 7, _source(directory, "graph")),
+        ("direct: preadv into pools + CRC-32C + checks", 1, _PythonStage(directory, False)),
+        ("+ gather shuffled units (NumPy take)", 2, _PythonStage(directory, True)),
+        ("TFRecordSequenceSource, direct reader", 2, _source(directory, "direct")),
     ]
     print(f"{directory}: {total / 1e6:.0f} MB in {len(files)} shards, {m.total_records} records")
     print(f"{'stage':48s} {'copies/byte':>11s} {'CPU s/GB':>9s} {'GB/s wall':>9s}")

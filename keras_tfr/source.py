@@ -73,9 +73,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
         directory: the data set's directory (written by `ArraysToRecords`); local or any
             `tf.io.gfile` URL (``gs://``, ``s3://``, ``hdfs://``, ``ram://``).
         batch_size: samples per batch.
-        shuffle: shuffle shard order, records (in a buffer of ``shuffle_memory`` bytes) and
-            samples inside pools, anew each epoch. Default True, as in Keras' own
-            ``*_dataset_from_directory`` utilities; pass False to read in written order.
+        shuffle: shuffle records and the samples inside pools of records, anew each
+            epoch (direct reader: a permutation of all records, read in pools of a quarter
+            of ``shuffle_memory``; graph reader: shard order, a buffer of records, pools).
+            Default True, as in Keras' own ``*_dataset_from_directory`` utilities; pass
+            False to read in written order.
         seed: makes shuffling and the validation split reproducible. Required with
             ``validation_split``, and the same for both subsets.
         drop_remainder: drop the last, partial batch.
@@ -84,12 +86,14 @@ class TFRecordSequenceSource(tf.data.Dataset):
         subset: ``"training"`` or ``"validation"``; required with ``validation_split``.
         shuffle_memory: the shuffle's memory budget in bytes (``"64MB"`` or an int).
         on_corrupt: ``"raise"`` (default) stops on a damaged record with its file and byte
-            offset; ``"skip"`` logs it, drops it (TensorFlow's reader cannot resume inside
-            a shard, so the rest of that shard goes too), and fills the epoch from the
-            start of the data so that the step count stays the one Keras was given.
+            offset; ``"skip"`` logs it, drops it (with the graph reader the rest of that
+            shard goes too: TensorFlow's reader cannot resume inside a shard), and fills
+            the epoch from the next pass so that the step count stays the one Keras was
+            given.
         max_corrupt_records: with ``on_corrupt="skip"``, stop with an error once more than
             this many records were dropped in this process.
-        num_parallel_reads: shards read at once (default: up to 8, tuned by tf.data).
+        num_parallel_reads: reader threads (direct reader, default 2-4) or shards read
+            at once (graph reader, default up to 8).
         deterministic: element order reproducible across runs; default True unless
             ``shuffle=True`` without a ``seed``.
         check_files: check at construction that every shard exists with its size.
