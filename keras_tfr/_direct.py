@@ -2,12 +2,12 @@
 into per-feature sample arrays, checked with hardware CRC-32C, gathered into batches.
 
 Why: TensorFlow's `TFRecordDataset` copies every byte twice and computes CRC32C in
-software (0.6-0.75 CPU-s/GB on the benchmark machine), and the graph decode adds a
-`decode_raw`, a slice and a gather (about 1.4 CPU-s/GB in all). Here each byte is copied
-twice, once from the page cache into its pool and once into its batch, and checked at
-more than 10 GB/s (0.25-0.35 CPU-s/GB in all). The guarantees are the same: every frame's
-length, both CRCs and every non-payload byte of the Example are checked before a sample
-is passed on, and a damaged record is named with its file and byte offset.
+software, and the graph decode adds a `decode_raw`, a slice and a gather: seven copies
+per byte in all. Here each byte is copied twice, once from the page cache into its pool
+and once into its batch, and checked at more than 10 GB/s: a quarter to a third of the
+CPU per byte (docs/benchmarks.md has the profile). The guarantees are the same: every
+frame's length, both CRCs and every non-payload byte of the Example are checked before a
+sample is passed on, and a damaged record is named with its file and byte offset.
 
 How:
 
@@ -17,14 +17,16 @@ How:
 * Pools are groups of records (``pool_records``), in written order or, with shuffle, in a
   seeded permutation of all kept records (a global shuffle of records, not limited to a
   few open shards); each pool's samples are permuted again inside it. Reader threads
-  load the next pools while batches are cut from the current ones.
-* Batch ``i`` covers positions ``[i * B, (i + 1) * B)`` of the epoch's stream of samples,
-  so batches are cut in parallel (`Dataset.range(steps).map(numpy_function)`) and in a
-  deterministic order. Each batch is one `np.take` per feature into a 64-byte-aligned
-  array, which TensorFlow adopts without a copy.
+  load the next pools while units are cut from the current ones.
+* Unit ``i`` covers positions ``[i * U, (i + 1) * U)`` of the epoch's stream of samples
+  (``U`` a whole number of batches, about 8 MB), so cutter threads cut the next units in
+  parallel and in a deterministic order: one `np.take` per feature into a recycled
+  64-byte-aligned buffer. TensorFlow gets one batch per Python call, a view of a unit,
+  and adopts it without a copy.
 * Each iterator (Keras makes one per epoch) gets its own state through the generator
   dataset behind `Dataset.from_generator`, whose finalizer stops its threads and closes
-  its files even when the iterator is dropped mid-epoch.
+  its files even when the iterator is dropped mid-epoch. When an epoch hands out its
+  last unit, the next epoch starts reading its first pools.
 * ``on_corrupt="skip"`` drops just the damaged record and fills the epoch from the next
   pass, so Keras always gets the step count it was given.
 """
@@ -52,14 +54,6 @@ _UNIT_BYTES = 8 << 20  # what one Python call cuts: several batches
 _TRUNCATED = "the file ends inside this record (truncated)"
 
 
-def _crc_of(parts: list[np.ndarray]) -> int:
-    return _crc.crc32c(parts)
-
-
-def _masked(crc: int) -> int:
-    return _crc.masked(crc)
-
-
 def available() -> bool:
     """Whether this platform has what the direct path needs."""
     if not hasattr(os, "preadv"):
@@ -82,7 +76,7 @@ class _Layout:
         self.count = count
         self.frame = length + 16
         frame_header = struct.pack("<Q", length)
-        frame_header += struct.pack("<I", _masked(_crc_of([np.frombuffer(frame_header, "u1")])))
+        frame_header += _crc.masked_bytes(_crc.crc32c([frame_header]))
         # Pieces in frame order: ("meta", start, length) into the meta row, or
         # ("feat", spec index, bytes).
         self.pieces: list[tuple[str, int, int]] = []
@@ -171,8 +165,8 @@ class DirectPlan:
         self.kept = np.asarray(kept_records, dtype=np.int64)
         self.num_batches = num_batches
         self.batch_size = batch_size
-        # Python cuts "units" of several batches (one call per unit, not per batch: each
-        # call costs a GIL round trip); TensorFlow slices them into batches without a copy.
+        # Cutter threads cut "units" of several batches (fewer, larger gathers); the
+        # generator hands TensorFlow one batch per call, a view of a unit.
         self.total_rows = min(num_samples, num_batches * batch_size)
         batch_bytes = batch_size * sum(s.sample_bytes for s in specs)
         self.unit_batches = max(1, min(num_batches, _UNIT_BYTES // max(1, batch_bytes)))
@@ -351,7 +345,7 @@ class Epoch:
             return _TRUNCATED
         if not np.array_equal(meta[:12], layout.expected[:12]):
             return "its length field or the length's CRC is damaged"
-        crc = _masked(_crc_of(layout.crc_parts(meta, feats)))
+        crc = _crc.masked(_crc.crc32c(layout.crc_parts(meta, feats)))
         if crc != int(meta[-4:].view("<u4")[0]):
             return "the record failed its TFRecord CRC check"
         if not np.array_equal(meta[:-4], layout.expected):
