@@ -23,7 +23,12 @@ import numpy as np
 
 def _load() -> Callable[[int, int, int], int] | None:
     base = os.path.dirname(google_crc32c.__file__)
-    names = glob.glob(base + ".libs/libcrc32c*") + glob.glob(os.path.join(base, "*crc32c*.so*"))
+    names = [
+        *glob.glob(base + ".libs/libcrc32c*"),  # Linux wheels (auditwheel)
+        *glob.glob(os.path.join(base, ".dylibs", "*crc32c*")),  # macOS wheels (delocate)
+        *glob.glob(os.path.join(base, "*crc32c*.dll")),
+        *glob.glob(os.path.join(base, "_crc32c*")),  # a build that links it statically
+    ]
     probe = np.frombuffer(b"123456789", dtype=np.uint8)
     for name in names:
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
+import sys
 import threading
 
 import numpy as np
@@ -134,3 +136,23 @@ def test_direct_and_graph_readers_give_the_same_samples(data, monkeypatch):
     assert np.array_equal(got["direct"][1], y)
     assert got["direct"][2] == got["graph"][2]
     assert np.array_equal(got["direct"][0], got["graph"][0])
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_crc32c_over_parts_equals_the_crc_of_the_joined_bytes(monkeypatch, hardware):
+    """The copy-free CRC (ctypes on the library google-crc32c ships) and its fallback."""
+    import google_crc32c
+
+    from keras_tfr import _crc
+
+    if not hardware:
+        monkeypatch.setattr(_crc, "_extend", None)
+    elif sys.platform.startswith("linux") and platform.machine() == "x86_64":
+        assert _crc.hardware(), "the Linux wheel of google-crc32c ships libcrc32c"
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    arr = data.reshape(-1, 1)[:, 0]
+    parts = [b"head", memoryview(data.tobytes())[:777], data[777:5000], arr[5000:], b""]
+    joined = b"head" + data.tobytes()
+    assert _crc.crc32c(parts) == google_crc32c.value(joined)
+    assert _crc.crc32c([joined[:9]], _crc.crc32c([])) == google_crc32c.value(joined[:9])
+    assert _crc.crc32c([b"123456789"]) == 0xE3069283  # the CRC-32C check value
