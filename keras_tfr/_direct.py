@@ -21,8 +21,9 @@ How:
 * Unit ``i`` covers positions ``[i * U, (i + 1) * U)`` of the epoch's stream of samples
   (``U`` a whole number of batches, about 8 MB), so cutter threads cut the next units in
   parallel and in a deterministic order: one `np.take` per feature into a recycled
-  64-byte-aligned buffer. TensorFlow gets one batch per Python call, a view of a unit,
-  and adopts it without a copy.
+  64-byte-aligned buffer, which TensorFlow adopts without a copy. Small batches: one
+  Python call hands TensorFlow a unit as ``[batches, batch_size, sample_bytes]`` and
+  `unbatch` cuts it; batches of 2 MB and more go one per call, as views of a unit.
 * Each iterator (Keras makes one per epoch) gets its own state through the generator
   dataset behind `Dataset.from_generator`, whose finalizer stops its threads and closes
   its files even when the iterator is dropped mid-epoch. When an epoch hands out its
@@ -50,7 +51,8 @@ from keras_tfr import _crc
 from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
-_UNIT_BYTES = 8 << 20  # what one Python call cuts: several batches
+_UNIT_BYTES = 8 << 20  # what one cutter call gathers: several batches
+_VIEW_BYTES = 2 << 20  # batches this large go to TensorFlow as views, one call each
 _TRUNCATED = "the file ends inside this record (truncated)"
 
 
@@ -165,10 +167,10 @@ class DirectPlan:
         self.kept = np.asarray(kept_records, dtype=np.int64)
         self.num_batches = num_batches
         self.batch_size = batch_size
-        # Cutter threads cut "units" of several batches (fewer, larger gathers); the
-        # generator hands TensorFlow one batch per call, a view of a unit.
+        # Cutter threads cut "units" of several batches (fewer, larger gathers, and one
+        # Python call per unit for TensorFlow).
         self.total_rows = min(num_samples, num_batches * batch_size)
-        batch_bytes = batch_size * sum(s.sample_bytes for s in specs)
+        self.batch_bytes = batch_bytes = batch_size * sum(s.sample_bytes for s in specs)
         self.unit_batches = max(1, min(num_batches, _UNIT_BYTES // max(1, batch_bytes)))
         self.unit_rows = self.unit_batches * batch_size
         self.num_units = -(-num_batches // self.unit_batches)
@@ -247,7 +249,8 @@ class Epoch:
         )
         self._units: dict[int, Future] = {}
         self._next_unit = 0
-        self._current: list[np.ndarray] | None = None  # the unit batches are cut from
+        self._tail: list[np.ndarray] | None = None  # a unit's partial last batch
+        self._unit: list[np.ndarray] | None = None  # the unit batches are cut from
         self._offset = 0
         n = len(plan.kept)
         self._pools_per_pass = max(1, -(-n // plan.pool_records))
@@ -445,12 +448,30 @@ class Epoch:
     def next_batch(self) -> list[np.ndarray]:
         """The epoch's next batch: a view of the current unit (no copy)."""
         b = self.plan.batch_size
-        if self._current is None or self._offset >= len(self._current[0]):
-            self._current = self.next_unit()
+        if self._unit is None or self._offset >= len(self._unit[0]):
+            self._unit = self.next_unit()
             self._offset = 0
         lo = self._offset
         self._offset = lo + b
-        return [u[lo : lo + b] for u in self._current]
+        return [u[lo : lo + b] for u in self._unit]
+
+    def next_block(self) -> list[np.ndarray]:
+        """The epoch's next block of batches, ``[batches, rows, sample_bytes]`` per feature:
+        a whole unit (a view, no copy), and a unit's last, partial batch on its own."""
+        if self._tail is not None:
+            block, self._tail = self._tail, None
+            return block
+        unit = self.next_unit()
+        b = self.plan.batch_size
+        rows = len(unit[0])
+        full = rows - rows % b
+        if full == rows:
+            return [u.reshape(-1, b, u.shape[1]) for u in unit]
+        tail = [u[full:].reshape(1, rows - full, u.shape[1]) for u in unit]
+        if full == 0:
+            return tail
+        self._tail = tail
+        return [u[:full].reshape(-1, b, u.shape[1]) for u in unit]
 
     def _pool_at(self, pos: int) -> int:
         """Index of the pool holding stream position ``pos``."""
@@ -539,9 +560,9 @@ _registry_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-def dataset(plan: DirectPlan, deterministic: bool, drop_remainder: bool) -> Any:
-    """A `tf.data.Dataset` of batches: a list of uint8 ``[batch, sample_bytes]`` tensors,
-    one per spec (in ``plan.specs`` order)."""
+def dataset(plan: DirectPlan) -> Any:
+    """A `tf.data.Dataset` of batches: a tuple of uint8 ``[rows, sample_bytes]`` tensors,
+    one per spec (in ``plan.specs`` order), in the epoch's order."""
     import tensorflow as tf
     from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
@@ -551,11 +572,14 @@ def dataset(plan: DirectPlan, deterministic: bool, drop_remainder: bool) -> Any:
             _registry[eid] = plan.new_epoch()
         return np.int64(eid)
 
-    def next_batch(eid):
-        epoch = _registry.get(int(eid))
-        if epoch is None:  # pragma: no cover - the iterator is gone
-            raise StopIteration
-        return epoch.next_batch()
+    def call(method):
+        def fn(eid):
+            epoch = _registry.get(int(eid))
+            if epoch is None:  # pragma: no cover - the iterator is gone
+                raise StopIteration
+            return getattr(epoch, method)()
+
+        return fn
 
     def finalize(eid):
         with _registry_lock:
@@ -564,23 +588,27 @@ def dataset(plan: DirectPlan, deterministic: bool, drop_remainder: bool) -> Any:
             epoch.close()
         return np.int64(0)
 
-    rows = plan.batch_size if drop_remainder else None
+    # Small batches: one Python call per unit (about 8 MB), cut into batches by `unbatch`
+    # in C++ (a copy, cheaper than TensorFlow's ~0.2 ms of CPU per Python call on the
+    # benchmark machine). Large batches: one call per batch, a view of a unit that
+    # TensorFlow adopts without a copy.
+    views = plan.batch_bytes >= _VIEW_BYTES
     n_specs = len(plan.specs)
-    batch_spec = tuple(tf.TensorSpec([rows, sb], tf.uint8) for sb in plan.sample_bytes)
+    dims = [None] if views else [None, None]
+    spec = tuple(tf.TensorSpec([*dims, sb], tf.uint8) for sb in plan.sample_bytes)
+    next_fn = call("next_batch" if views else "next_block")
 
     def cut(eid):
-        # One Python call per batch, a view of a unit: TensorFlow adopts it without a copy
-        # when it is 64-byte aligned (a batch of `batch_size * sample_bytes` a multiple of
-        # 64), and copies it otherwise.
-        outs = tf.numpy_function(next_batch, [eid], [tf.uint8] * n_specs)
-        return tuple(tf.ensure_shape(o, [rows, sb]) for o, sb in zip(outs, plan.sample_bytes))
+        outs = tf.numpy_function(next_fn, [eid], [tf.uint8] * n_specs)
+        return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
 
     # The generator dataset calls `init` for every new iterator (Keras makes one per epoch)
     # and `finalize` when the iterator is done or dropped.
-    return _GeneratorDataset(
+    batches = _GeneratorDataset(
         np.int64(0),
         lambda d: tf.numpy_function(init, [d], tf.int64),
         cut,
         lambda e: tf.numpy_function(finalize, [e], tf.int64),
-        batch_spec,
+        spec,
     )
+    return batches if views else batches.unbatch()

@@ -654,13 +654,21 @@ class TFRecordSequenceSource(tf.data.Dataset):
             readers=self._num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
             skip=skip if self._on_corrupt == "skip" else None,
         )
-        raw = _direct.dataset(plan, self._deterministic, self._drop_remainder)
+        raw = _direct.dataset(plan)
         # One map decodes and (without `decode=` steps in between) builds Keras' structure:
         # each stage costs the iterator made at every epoch's start a few milliseconds.
         structure = self._structure_fn(specs) if not self._decode else (lambda d: d)
-        return raw.map(
-            lambda *u8: structure({s.key: tf_bytes_to_feature(t, s) for s, t in zip(specs, u8)})
-        )
+        rows = self._batch_size if self._drop_remainder else None
+
+        def decode(*u8):
+            return structure(
+                {
+                    s.key: tf_bytes_to_feature(tf.ensure_shape(t, [rows, s.sample_bytes]), s)
+                    for s, t in zip(specs, u8)
+                }
+            )
+
+        return raw.map(decode)
 
     def _finish(self, batches: tf.data.Dataset, specs: list[FeatureSpec], direct: bool):
         """The stages after batching, shared by both read paths."""

@@ -57,12 +57,15 @@ def test_forcing_the_direct_reader_where_it_cannot_read_names_why(tmp_path, monk
         TFRecordSequenceSource(d, batch_size=4)
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_batches_held_by_the_caller_survive_later_epochs(data, monkeypatch, shuffle):
+def test_batches_held_by_the_caller_survive_later_epochs(data, monkeypatch, shuffle, views):
     """Batch buffers are reused once TensorFlow drops its last tensor of them: a batch the
     caller keeps (tensor or NumPy view) must keep its values."""
     d, x, _ = data
     monkeypatch.setenv("KERAS_TFR_READER", "direct")
+    if views:  # batches handed over as views of the unit buffers
+        monkeypatch.setattr(_direct, "_VIEW_BYTES", 0)
     src = TFRecordSequenceSource(d, batch_size=10, shuffle=shuffle, seed=1)
     kept = [(bx, by, bx.numpy(), by.numpy()) for bx, by in src]
     for _ in range(3):  # later epochs run through the same buffers
@@ -116,26 +119,32 @@ def test_iterators_dropped_mid_epoch_release_threads_and_files(data, monkeypatch
         assert len(os.listdir("/proc/self/fd")) <= fds + 8, "shard files left open"
 
 
-def test_direct_and_graph_readers_give_the_same_samples(data, monkeypatch):
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_direct_and_graph_readers_give_the_same_samples(data, monkeypatch, drop_remainder):
     d, x, y = data
     got = {}
-    for reader in ("direct", "graph"):
-        monkeypatch.setenv("KERAS_TFR_READER", reader)
-        src = TFRecordSequenceSource(d, batch_size=64, shuffle=False)
+    for reader in ("direct-views", "direct", "graph"):
+        monkeypatch.setenv("KERAS_TFR_READER", reader.split("-")[0])
+        monkeypatch.setattr(_direct, "_VIEW_BYTES", 0 if reader == "direct-views" else 2 << 20)
+        src = TFRecordSequenceSource(d, batch_size=64, shuffle=False, drop_remainder=drop_remainder)
         batches = list(src)
+        assert len(batches) == len(src)
         got[reader] = (
             np.concatenate([b[0].numpy() for b in batches]),
             np.concatenate([b[1].numpy() for b in batches]),
             [int(b[1].shape[0]) for b in batches],
         )
+        rows = 64 if drop_remainder else None
         assert src.element_spec == (
-            tf.TensorSpec([None, 7], tf.float32),
-            tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([rows, 7], tf.float32),
+            tf.TensorSpec([rows], tf.int64),
         )
-    assert np.array_equal(got["direct"][0].view(np.uint32), x.view(np.uint32))
-    assert np.array_equal(got["direct"][1], y)
-    assert got["direct"][2] == got["graph"][2]
-    assert np.array_equal(got["direct"][0], got["graph"][0])
+    n = len(got["graph"][1])
+    assert n == (1000 // 64 * 64 if drop_remainder else 1000)
+    for reader in ("direct-views", "direct"):
+        assert np.array_equal(got[reader][0].view(np.uint32), x[:n].view(np.uint32))
+        assert np.array_equal(got[reader][1], y[:n])
+        assert got[reader][2] == got["graph"][2]
 
 
 @pytest.mark.parametrize("hardware", [True, False])
