@@ -165,3 +165,23 @@ def test_crc32c_over_parts_equals_the_crc_of_the_joined_bytes(monkeypatch, hardw
     assert _crc.crc32c(parts) == google_crc32c.value(joined)
     assert _crc.crc32c([joined[:9]], _crc.crc32c([])) == google_crc32c.value(joined[:9])
     assert _crc.crc32c([b"123456789"]) == 0xE3069283  # the CRC-32C check value
+
+
+def test_iterator_checkpoints_need_the_graph_reader(data, monkeypatch, tmp_path):
+    """Documented limit: TensorFlow cannot checkpoint the direct reader's iterator; the
+    graph reader's can be saved and restored."""
+    d, _, _ = data
+    monkeypatch.setenv("KERAS_TFR_READER", "direct")
+    it = iter(TFRecordSequenceSource(d, batch_size=10, seed=0))
+    next(it)
+    with pytest.raises(tf.errors.UnimplementedError, match="does not support checkpointing"):
+        tf.train.Checkpoint(iterator=it).save(str(tmp_path / "direct"))
+    monkeypatch.setenv("KERAS_TFR_READER", "graph")
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=False)
+    it = iter(src)
+    next(it)
+    path = tf.train.Checkpoint(iterator=it).save(str(tmp_path / "graph"))
+    expected = next(it)[1].numpy()
+    it2 = iter(src)
+    tf.train.Checkpoint(iterator=it2).restore(path)
+    assert np.array_equal(next(it2)[1].numpy(), expected)
