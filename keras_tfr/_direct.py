@@ -37,12 +37,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import queue
 import struct
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -232,9 +233,7 @@ class Epoch:
         self.number = number
         base = plan.seed if plan.seed is not None else int(np.random.SeedSequence().entropy)
         self._base = [base & 0xFFFFFFFFFFFFFFFF, number]
-        self._executor = ThreadPoolExecutor(
-            max_workers=max(1, plan.readers), thread_name_prefix="keras_tfr_read"
-        )
+        self._executor = _DaemonPool(plan.readers, "keras_tfr_read")
         self._lock = threading.Lock()  # futures, files, pool bookkeeping
         self._pos_lock = threading.RLock()  # pool start positions
         self._order_lock = threading.Lock()
@@ -244,9 +243,7 @@ class Epoch:
         self._done: dict[int, int] = {}  # batches done per pool
         self._orders: dict[int, np.ndarray] = {}  # record order of each pass
         self._closed = False
-        self._cutter = ThreadPoolExecutor(
-            max_workers=max(1, plan.readers), thread_name_prefix="keras_tfr_cut"
-        )
+        self._cutter = _DaemonPool(plan.readers, "keras_tfr_cut")
         self._units: dict[int, Future] = {}
         self._next_unit = 0
         self._tail: list[np.ndarray] | None = None  # a unit's partial last batch
@@ -503,8 +500,8 @@ class Epoch:
                 fut.cancel()
             self._futures.clear()
             self._units.clear()
-        self._cutter.shutdown(wait=True, cancel_futures=True)
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._cutter.shutdown()
+        self._executor.shutdown()
         with self._lock:
             for fd in self._fds.values():
                 try:
@@ -512,6 +509,70 @@ class Epoch:
                 except OSError:  # pragma: no cover
                     pass
             self._fds.clear()
+
+
+class _DaemonPool:
+    """A minimal thread pool of daemon threads, started on first use.
+
+    `concurrent.futures.ThreadPoolExecutor` joins its threads when the interpreter exits
+    and stops running queued work first: a cutter waiting for a pool read that will never
+    run would then hold the exit forever (an epoch read ahead and never iterated has
+    both). These threads only read and copy; dropping them at exit loses nothing.
+    """
+
+    def __init__(self, workers: int, name: str):
+        self._workers = max(1, workers)
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("keras-tfr: the iterator was closed")
+            if len(self._threads) < self._workers:
+                t = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancels what has not started, lets running work finish, and joins."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        pending = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                pending.append(item[0])
+        for fut in pending:
+            fut.cancel()
+        for _ in threads:
+            self._queue.put(None)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()
 
 
 def _close_prepared(box: list) -> None:
