@@ -4,8 +4,9 @@ into per-feature sample arrays, checked with hardware CRC-32C, gathered into bat
 Why: TensorFlow's `TFRecordDataset` copies every byte twice and computes CRC32C in
 software, and the graph decode adds a `decode_raw`, a slice and a gather: seven copies
 per byte in all. Here each byte is copied twice, once from the page cache into its pool
-and once into its batch, and checked at more than 10 GB/s: a quarter to a third of the
-CPU per byte (docs/benchmarks.md has the profile). The guarantees are the same: every
+and once into its unit of batches (small batches once more, by `unbatch`), and checked at
+more than 10 GB/s: a third to a fifth of the CPU per byte (docs/benchmarks.md has the
+profile). The guarantees are the same: every
 frame's length, both CRCs and every non-payload byte of the Example are checked before a
 sample is passed on, and a damaged record is named with its file and byte offset.
 

@@ -10,7 +10,7 @@ Two read paths give the same batches, checks and step counts:
 * the **direct reader** (`keras_tfr._direct`), used for uncompressed data sets of
   fixed-size features on a local file system: records are read with `os.preadv` straight
   into per-feature pools, checked with hardware CRC-32C and gathered into batches with
-  NumPy (about a quarter of the CPU per byte of the graph path);
+  NumPy (a third to a fifth of the CPU per byte of the graph path);
 * the **graph reader** below, used for everything else (GZIP/ZLIB shards, variable-length
   features, `gs://` and other `tf.io.gfile` URLs, the tf.data service, platforms without
   `os.preadv`), or everywhere with the environment variable ``KERAS_TFR_READER=graph``.
