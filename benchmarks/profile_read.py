@@ -44,29 +44,8 @@ class _PythonStage:
     """An epoch of the direct reader's Python side alone, iterated like a data set."""
 
     def __init__(self, directory: str, cut_units: bool):
-        import numpy as np
-
-        from keras_tfr import _direct
-
-        m = Manifest.load(directory)
-        specs = sorted(m.features, key=lambda s: s.key)
-        batches = -(-m.total_samples // 256)
-        self.plan = _direct.DirectPlan(
-            specs=specs,
-            files=[m.shard_path(s) for s in m.shards],
-            shard_records=[s.records for s in m.shards],
-            samples_per_record=m.samples_per_record,
-            total_samples=m.total_samples,
-            kept_records=np.arange(m.total_records),
-            num_samples=m.total_samples,
-            num_batches=batches,
-            batch_size=256,
-            shuffle=True,
-            seed=0,
-            pool_bytes=16 << 20,
-            readers=2,
-            skip=None,
-        )
+        # The plan the source itself builds (batch 256, shuffled, seed 0).
+        self.plan = _source(directory, "direct")._direct_plan
         self.cut_units = cut_units
 
     def __iter__(self):

@@ -231,7 +231,6 @@ class Epoch:
 
     def __init__(self, plan: DirectPlan, number: int):
         self.plan = plan
-        self.number = number
         base = plan.seed if plan.seed is not None else int(np.random.SeedSequence().entropy)
         self._base = [base & 0xFFFFFFFFFFFFFFFF, number]
         self._executor = _DaemonPool(plan.readers, "keras_tfr_read")

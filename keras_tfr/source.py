@@ -286,6 +286,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                     self._drop_remainder,
                 )
             )
+        self._direct_plan = None  # the direct reader's plan, when it reads this source
         with _only_op_seeds():
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
@@ -513,10 +514,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 deterministic=True,
             )
 
-        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
-        if self._shuffle:
-            pool_bytes = min(pool_bytes, max(record_bytes, self._shuffle_bytes // 4))
-        pool_records = max(1, pool_bytes // record_bytes)
+        pool_records = max(1, self._pool_bytes() // record_bytes)
         records = records.batch(pool_records).map(lambda _, r: r)  # drop the indices
 
         feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
@@ -591,6 +589,15 @@ class TFRecordSequenceSource(tf.data.Dataset):
         batches = pools.rebatch(self._batch_size, drop_remainder=self._drop_remainder)
         return self._finish(batches, specs, direct=False)
 
+    def _pool_bytes(self) -> int:
+        """Bytes of records whose samples are permuted together (both read paths): at
+        least two batches, at most a quarter of ``shuffle_memory`` when shuffling."""
+        m = self._manifest
+        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
+        if self._shuffle:
+            pool_bytes = min(pool_bytes, max(m.record_bytes, self._shuffle_bytes // 4))
+        return pool_bytes
+
     def _direct_ok(self, specs: list[FeatureSpec]) -> bool:
         """Whether the direct read path (`keras_tfr._direct`) can read this data set."""
         m = self._manifest
@@ -631,9 +638,6 @@ class TFRecordSequenceSource(tf.data.Dataset):
             kept = np.arange(m.total_records, dtype=np.int64)
         else:
             kept = np.flatnonzero(self._keep).astype(np.int64)
-        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
-        if self._shuffle:
-            pool_bytes = min(pool_bytes, max(m.record_bytes, self._shuffle_bytes // 4))
 
         def skip(path: str, offset: int, index: int, n_records: int, problem: str) -> None:
             self._report_skip(path, offset, index, n_records, lost=1, problem=problem)
@@ -650,10 +654,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
             batch_size=self._batch_size,
             shuffle=self._shuffle,
             seed=self._seed,
-            pool_bytes=pool_bytes,
+            pool_bytes=self._pool_bytes(),
             readers=self._num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
             skip=skip if self._on_corrupt == "skip" else None,
         )
+        self._direct_plan = plan
         raw = _direct.dataset(plan)
         # One map decodes and (without `decode=` steps in between) builds Keras' structure:
         # each stage costs the iterator made at every epoch's start a few milliseconds.

@@ -22,7 +22,6 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import google_crc32c
 import keras
 import numpy as np
 
@@ -938,13 +937,12 @@ class ArraysToRecords(keras.callbacks.Callback):
             # included): no joined copy of the record; `write` waits for the sink before
             # it returns, so the caller may reuse its arrays afterwards.
             record: Any = self._encoder.encode_parts(count, payloads)
-            record_crc = _crc.crc32c(record)
             self._borrowed = True
         else:
             record = self._encoder.encode(count, payloads)
-            # Checksums here, while the record is hot in the cache; the sink only writes.
-            record_crc = google_crc32c.value(record)
-        self._shard_crc = google_crc32c.extend(self._shard_crc, struct.pack("<I", record_crc))
+        # Checksummed here, while the record is hot in the cache; the sink only writes.
+        record_crc = _crc.crc32c(record if self._zero_copy else [record])
+        self._shard_crc = _crc.crc32c([struct.pack("<I", record_crc)], self._shard_crc)
         self._sink.put((record, record_crc))
         self._shard_records += 1
         self._shard_samples += count
@@ -1176,12 +1174,6 @@ def _is_record(item: Any) -> bool:
     return item is not None and not (isinstance(item[0], str) and item[0] == "release")
 
 
-def _masked_crc(data: bytes, crc: int | None = None) -> bytes:
-    if crc is None:
-        crc = google_crc32c.value(data)
-    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
-
-
 class _FramedFile:
     """Writes uncompressed TFRecord framing itself: TensorFlow's writer computes CRC32C in
     software (about 3 GB/s here); `google_crc32c` uses the CPU's CRC instructions (>10 GB/s).
@@ -1214,7 +1206,8 @@ class _FramedFile:
                 crc = _crc.crc32c(body)
             length = sum(memoryview(p).nbytes for p in body)
             header = struct.pack("<Q", length)
-            parts += [header + _masked_crc(header), *body, _crc.masked_bytes(crc)]
+            header += _crc.masked_bytes(_crc.crc32c([header]))
+            parts += [header, *body, _crc.masked_bytes(crc)]
             total += length + 16
             if len(parts) > 512:  # IOV_MAX is 1024 on Linux
                 self._write_parts(parts, total)
