@@ -238,7 +238,7 @@ def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog, reader
     d, x, _, m = dataset
     # The direct reader drops just the damaged record; TensorFlow's reader cannot resume
     # after a bad record, so the rest of the shard goes.
-    lost_records = 1 if reader.startswith("direct") else RECORDS_PER_SHARD - 10
+    lost_records = 1 if reader == "mapped" else RECORDS_PER_SHARD - 10
     path = os.path.join(d, m.shards[1].file)
     src = TFRecordSequenceSource(d, batch_size=8, shuffle=False, on_corrupt="skip")
     steps = len(src)
@@ -265,7 +265,7 @@ def test_skip_stops_past_the_limit(dataset, reader):
     d, _, _, m = dataset
     for shard in (0, 2):
         _flip(os.path.join(d, m.shards[shard].file), 12 * _frame(m) + 40)
-    lost = 2 if reader.startswith("direct") else 6  # the graph reader loses the 3 records left each
+    lost = 2 if reader == "mapped" else 6  # the graph reader loses the 3 records left each
     src = TFRecordSequenceSource(d, batch_size=8, on_corrupt="skip", max_corrupt_records=lost - 1)
     with pytest.raises(tf.errors.OpError, match=f"more than max_corrupt_records={lost - 1}") as e:
         _drain(src)
@@ -321,7 +321,7 @@ def test_keras_fit_in_skip_mode_runs_the_announced_steps(dataset, reader):
         model.fit(src, epochs=3, verbose=0, callbacks=[counter])
     assert counter.per_epoch == [len(src)] * 3 == [N // 16] * 3
     assert not [w for w in caught if "ran out of data" in str(w.message)]
-    assert src.corrupt_records == (1 if reader.startswith("direct") else RECORDS_PER_SHARD - 3)
+    assert src.corrupt_records == (1 if reader == "mapped" else RECORDS_PER_SHARD - 3)
 
 
 def test_keras_fit_in_raise_mode_stops_with_the_file_name(dataset):
