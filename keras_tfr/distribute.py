@@ -325,9 +325,6 @@ def start_service(
     """
     import tensorflow as tf
 
-    from keras_tfr.gpu import keep_tensorflow_off_gpus
-
-    keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(
             f"Expected `num_workers` to be a non-negative int. Received: {num_workers!r}"

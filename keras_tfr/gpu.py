@@ -431,11 +431,13 @@ def keep_tensorflow_off_gpus() -> str:
     CPU (where tf.data runs anyway) and TensorFlow takes no GPU memory. With the
     TensorFlow backend it changes nothing: TensorFlow trains the model there.
 
-    keras-tfr calls it before it runs TensorFlow (creating a `TFRecordSequenceSource`,
-    reading TFRecord files, starting tf.data service servers, `verify`) and in
-    `limit_gpu_memory`. Call it yourself at the top of a program that runs TensorFlow
-    operations of its own before that. The environment variable ``KERAS_TFR_TF_GPU=1``
-    (read at the first call) lets TensorFlow keep its GPUs under JAX and torch.
+    keras-tfr calls it where it starts TensorFlow's runtime (creating a
+    `TFRecordSequenceSource`, reading TFRecord files with ``from_tfrecords`` or
+    ``convert_tfrecords``) and in `limit_gpu_memory`; writing, ``verify`` and the tf.data
+    service servers do not start that runtime. Call it yourself at the top of a program
+    that runs TensorFlow operations of its own before that. The environment variable
+    ``KERAS_TFR_TF_GPU=1`` (read at the first call) lets TensorFlow keep its GPUs under
+    JAX and torch.
 
     It decides once per process: later calls return the first answer at once. If
     TensorFlow already started with its GPUs, it cannot hide them any more; the first

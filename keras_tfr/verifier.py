@@ -220,9 +220,6 @@ def verify(directory: str, *, verbose: int = 0) -> VerifyReport:
         >>> report = verify("data/train")
         >>> print(report.summary())
     """
-    from keras_tfr.gpu import keep_tensorflow_off_gpus
-
-    keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
     manifest = Manifest.load(directory, check_files=False)
     report = VerifyReport(directory=str(directory))
     bar = None
