@@ -141,7 +141,13 @@ class TFRecordSequenceSource(tf.data.Dataset):
         service_job_name: str | None = None,
         manifest: Manifest | None = None,
     ):
+        from keras_tfr.gpu import keep_tensorflow_off_gpus
+
+        keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
+        from keras_tfr import _compat_read
+
+        _compat_read.install_corrupt_record_errors()
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,

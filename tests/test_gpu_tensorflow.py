@@ -214,14 +214,7 @@ def _entry_points():
     [
         "from_tfrecords",
         "convert_tfrecords",
-        pytest.param(
-            "TFRecordSequenceSource",
-            marks=pytest.mark.xfail(
-                reason="the lead adds the call at the start of TFRecordSequenceSource.__init__ "
-                "(keras_tfr/source.py); then remove this mark",
-                strict=True,
-            ),
-        ),
+        "TFRecordSequenceSource",
     ],
 )
 def test_entry_points_call_it_first(monkeypatch, name):
