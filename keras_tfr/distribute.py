@@ -169,7 +169,9 @@ def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs
             f"Expected the global `batch_size` to be a multiple of the {replicas} replicas "
             f"in sync, so that every replica gets the same batch. Received: {batch_size}"
         )
-    manifest = Manifest.load(str(directory))
+    # Loaded once for every pipeline of this worker; the shard check (one stat per shard)
+    # only when the source would do it.
+    manifest = Manifest.load(str(directory), check_files=source_kwargs.get("check_files", True))
     workers = _num_workers(strategy)
     per_replica_pipelines = replicas > workers
     mode = (
@@ -319,7 +321,9 @@ def keras_distribution_source(
             batch_size=per_process,
             num_workers=shards,
             worker_index=int(distribution.data_shard_id),
-            manifest=Manifest.load(str(directory)),
+            manifest=Manifest.load(
+                str(directory), check_files=source_kwargs.get("check_files", True)
+            ),
             **source_kwargs,
         )
     else:
