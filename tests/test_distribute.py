@@ -275,9 +275,11 @@ _TRAIN_SCRIPT = textwrap.dedent(
         train = distribute_source(strategy, directory, batch, shuffle=True, seed=0)
         expected_steps = int(train.cardinality)
     history = model.fit(train, epochs=2, verbose=0, callbacks=[Steps()])
+    eval_loss = model.evaluate(train, verbose=0)
     with open(out, "w") as f:
         json.dump(dict(seen=seen, epochs_at=epochs_at, expected_steps=expected_steps,
                        bugs=bugs, weights=[w.tolist() for w in model.get_weights()],
+                       eval_loss=eval_loss,
                        losses=history.history["loss"],
                        replicas=strategy.num_replicas_in_sync), f)
     """
@@ -353,6 +355,8 @@ def test_multi_worker_mirrored_strategy_two_workers(tmp_path, ids_dataset):
     # One model: the same weights on both workers, and the same (reduced) logs.
     assert results[0]["weights"] == results[1]["weights"]
     assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["eval_loss"] == results[1]["eval_loss"]
+    assert np.isfinite(results[0]["eval_loss"])
     # The user code held no workaround: keras-tfr's (installed by `distribute_source`)
     # is still needed, because this Keras still has both bugs.
     from keras_tfr import _compat_dist

@@ -140,6 +140,21 @@ def test_bad_arguments(ids_dataset, kwargs, error):
         keras_distribution_source(ids_dataset, **kwargs)
 
 
+def test_check_files_false_skips_the_shard_check(ids_dataset, gather_in_process):
+    from keras_tfr import ShardError
+
+    shard = sorted(f for f in os.listdir(ids_dataset) if f.endswith(".tfrecord"))[-1]
+    with open(os.path.join(ids_dataset, shard), "ab") as f:
+        f.write(b"x")  # the size no longer matches the manifest
+    with pytest.raises(ShardError, match=shard):
+        keras_distribution_source(ids_dataset, 8, distribution=_fake(2, 2, 0))
+    gather_in_process(ids_dataset, 4, 2, check_files=False)
+    source = keras_distribution_source(
+        ids_dataset, 8, distribution=_fake(2, 2, 0), check_files=False
+    )
+    assert len(source) > 0
+
+
 def test_keras_auto_sharding_reads_every_batch_in_every_process():
     """Why the helper exists: pins what Keras 3's `distribute_tf_dataset` does.
 
@@ -224,9 +239,20 @@ _JAX_SCRIPT = textwrap.dedent(
     model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
     initial = [w.tolist() for w in model.get_weights()]
     model.fit(train.enumerate().map(spy), epochs=2, verbose=0, callbacks=[Marks()])
+
+    # What the helper prevents: local batches of different sizes in one step (4 + 4,
+    # then 2 on process 0 and 3 on process 1).
+    n = 6 + int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
+    uneven = tf.data.Dataset.from_tensor_slices(
+        (np.ones((n, 3), np.float32), np.ones((n,), np.float32))).batch(4)
+    inputs = keras.Input((3,))
+    other = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    other.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    uneven_loss = other.fit(uneven, epochs=1, verbose=0).history["loss"][0]
     with open(out, "w") as f:
         json.dump(dict(seen=seen, marks=marks, traced=sorted(set(traced)),
                        steps=len(train), share_samples=share_samples, initial=initial,
+                       uneven_loss=uneven_loss,
                        final=[w.tolist() for w in model.get_weights()]), f)
     """
 )
@@ -321,3 +347,5 @@ def test_data_parallel_two_jax_processes(make_dataset, tmp_path):
     for got, want in zip(final, expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     assert not np.allclose(final[0], results[0]["initial"][0])
+    # Uneven local batches raise nothing, and the processes disagree about the step.
+    assert results[0]["uneven_loss"] != results[1]["uneven_loss"]
