@@ -121,6 +121,21 @@ def test_bad_distribution_arguments(ids_dataset, kwargs, error):
         TFRecordSequenceSource(ids_dataset, batch_size=4, **kwargs)
 
 
+def test_distribute_source_passes_check_files_to_its_manifest(ids_dataset):
+    import tensorflow as tf
+
+    from keras_tfr import ShardError
+    from keras_tfr.distribute import distribute_source
+
+    shard = sorted(f for f in os.listdir(ids_dataset) if f.endswith(".tfrecord"))[-1]
+    with open(os.path.join(ids_dataset, shard), "ab") as f:
+        f.write(b"x")  # the size no longer matches the manifest
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with pytest.raises(ShardError, match=shard):
+        distribute_source(strategy, ids_dataset, 8)
+    assert distribute_source(strategy, ids_dataset, 8, check_files=False) is not None
+
+
 # ----------------------------------------------------------------- tf.data service
 
 
