@@ -9,7 +9,12 @@ Three engines of TensorFlow's own, no new machinery:
   worker gets the same step count, so the collectives of one step never wait for a worker
   that already finished its epoch. `distribute_source` does this through
   `tf.distribute.Strategy.distribute_datasets_from_function`, with the global batch the
-  user asked for split evenly across replicas.
+  user asked for split evenly across replicas. Given a MultiWorkerMirroredStrategy, it
+  also installs the workaround Keras 3's TensorFlow trainer needs there
+  (`keras_tfr._compat_dist`).
+* **Many processes, one model, Keras' own way** (``keras.distribution`` on the JAX
+  backend): `keras_distribution_source` builds the same kind of share for each process,
+  with the per-process batch and the same batch size on every process at every step.
 * **The tf.data service** (`tf.data.experimental.service`): ``service="grpc://host:port"``
   on the source sends reading and decoding to a dispatcher and its workers;
   `start_service` and ``keras-tfr serve`` start such a cluster.
@@ -142,6 +147,11 @@ def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs
         batch_size: the global batch size; must divide by ``num_replicas_in_sync``.
         **source_kwargs: other `TFRecordSequenceSource` arguments (``shuffle``, ``seed``,
             ``validation_split``, ``subset``, ...), the same on every worker.
+
+    Under `tf.distribute.MultiWorkerMirroredStrategy` with a Keras that needs it, this
+    also wraps two functions of Keras' TensorFlow trainer for the process
+    (`keras_tfr._compat_dist`), so that ``fit`` and ``evaluate`` work with the model
+    built in ``strategy.scope()`` and no other change.
 
     Returns:
         A `tf.distribute.DistributedDataset` that ``model.fit`` takes as it is.
