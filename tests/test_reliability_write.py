@@ -27,7 +27,7 @@ from keras_tfr.verifier import verify
 LOCK_NAME = ".keras-tfr.lock"
 
 # Small, exact layout: 4 samples per record, 3 records per shard (1000 // (record + 16)).
-LAYOUT = dict(samples_per_record=4, shard_size=1000, min_shards=8, verbose=0)
+LAYOUT = dict(samples_per_record=4, shard_size=1000, verbose=0)
 
 
 def _data(n=200, seed=0):

@@ -210,7 +210,7 @@ def test_resume_with_a_variable_feature(tmp_path):
     with (
         pytest.raises(Boom),
         ArraysToRecords(
-            d, samples_per_record=5, shard_size=200, verbose=0, variable_length="x"
+            d, samples_per_record=5, shard_size=300, verbose=0, variable_length="x"
         ) as w,
     ):
         w.write(seqs[:30])
