@@ -5,10 +5,12 @@ block, whatever the size of the input: arrays are sliced chunk by chunk, so a me
 an h5py data set larger than RAM converts with flat memory.
 
 Crash safety: shards are written under temporary names (``*.tmp``) and renamed when
-complete; a journal (``.keras-tfr-progress.json``) lists the completed shards; the
-manifest is written last and atomically. An exception inside ``with ArraysToRecords(...)``,
-Ctrl-C or a killed process leaves no manifest, so no reader mistakes the partial data for
-a data set, and ``resume=True`` continues from the last complete shard.
+complete; a journal (``.keras-tfr-progress.json``) lists the completed shards; every
+shard is synced to disk, then the manifest is written last, atomically and synced, so a
+manifest on disk names only shards that are on disk too, after a power loss as well. An
+exception inside ``with ArraysToRecords(...)``, Ctrl-C or a killed process leaves no
+manifest, so no reader mistakes the partial data for a data set, and ``resume=True``
+continues from the last complete shard.
 """
 
 from __future__ import annotations
@@ -451,6 +453,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             if self._pending_count:
                 self._flush_pending()
             self._close_shard()
+            self._sync_shards()
             manifest = Manifest(
                 structure=dict(self._structure or {}),
                 features=list(self._specs),
@@ -1031,6 +1034,34 @@ class ArraysToRecords(keras.callbacks.Callback):
         # is missing (resume checks and rewrites it), never a shard no journal lists.
         self._write_progress()
         _io.rename(self._shard_tmp, final)
+
+    def _sync_shards(self) -> None:
+        """Makes every shard durable before the manifest names it.
+
+        Local files: each shard is fsynced, then the directory (its renames); the manifest
+        is then written with an fsync of its own (`Manifest.save`). All at the end rather
+        than as each shard closes: an fsync waits for all the data written before it (ext4
+        commits in order), so syncing shard by shard would stall the conversion, while one
+        pass at the end waits only for the write-back the disk owes anyway. URLs
+        (``gs://``, ``s3://``, ``hdfs://``): `tf.io.gfile` has no fsync; a shard is as
+        durable as its file system makes a closed file (an object store's upload
+        completes when the file is closed).
+        """
+        if _io.is_remote(self.directory):
+            return
+        flags = os.O_RDWR if os.name == "nt" else os.O_RDONLY  # Windows syncs writable fds
+        for shard in self._shards:
+            path = _io.join(self.directory, shard.file)
+            fd = os.open(path, flags)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"Could not sync the shard {path} to disk: {e.strerror}"
+                ) from e
+            finally:
+                os.close(fd)
+        _io._fsync_dir(self.directory)
 
     def _write_progress(self) -> None:
         assert self._specs is not None
