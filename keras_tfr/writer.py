@@ -596,6 +596,8 @@ class ArraysToRecords(keras.callbacks.Callback):
         kwargs["expected_samples"] = 0  # replaced below, once the arrays are checked
         probe = cls(directory, **kwargs)
         batch = probe._validate(x, y, sample_weight)
+        if not resume:  # sizes that cannot work (a resumed conversion keeps its journal's)
+            probe._set_schema(batch)
         kwargs["expected_samples"] = batch.n
         with cls(directory, **kwargs) as writer:
             start = writer.resumed_samples

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
-from keras_tfr.manifest import MANIFEST_NAME, Manifest
+from keras_tfr.manifest import Manifest
 
 
 def _images(n=80, seed=0):
@@ -80,7 +80,7 @@ def test_a_sample_larger_than_a_shard_is_refused_naming_both_sizes(tmp_path):
     with pytest.raises(ValueError, match=r"shard_size=2000 bytes") as e:
         ArraysToRecords.from_arrays(x, y, d, shard_size=2000, verbose=0)
     assert "one sample" in str(e.value) and "3144 bytes of data" in str(e.value)
-    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    assert not os.path.exists(d), "refused before the directory was created"
     with (
         pytest.raises(ValueError, match=r"shard_size=2000 bytes"),
         ArraysToRecords(d, shard_size=2000, verbose=0) as w,
@@ -149,3 +149,19 @@ def test_min_shards_without_a_known_total_is_refused(tmp_path):
     # Its default (and 1) write shards of `shard_size` as the data comes.
     m = ArraysToRecords.from_arrays(_batches(x, y), d, samples_per_record=4, verbose=0)
     assert len(m.shards) == 1 and m.total_samples == 40
+
+
+def test_readme_states_the_writer_defaults():
+    import inspect
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    options = re.search(r"^- Options: (.*?)\n- ", readme, flags=re.M | re.S).group(1)
+    stated = dict(re.findall(r"`(\w+)` \([^`]*?default `\"(\w+)\"`", options))
+    assert set(stated) == {"shard_size", "record_size"}
+    for fn in (ArraysToRecords.__init__, ArraysToRecords.from_arrays):
+        params = inspect.signature(fn).parameters
+        for name, value in stated.items():
+            assert params[name].default == value, (fn.__qualname__, name)
+    assert "~1 MB (`record_size`)" in readme
