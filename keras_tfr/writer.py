@@ -1136,25 +1136,24 @@ def _libc() -> Any:
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _start_writeback(path: str) -> None:
+def _start_writeback(path: str) -> bool:
     """Starts writing a finished shard to disk without waiting (Linux `sync_file_range`),
     so that the fsync before the manifest finds less left to write. An advice: errors and
-    other systems are ignored."""
+    other systems are ignored. Returns True when the write-back was started."""
     if _io.is_remote(path) or not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         import ctypes
 
         fd = os.open(path, os.O_RDONLY)
         try:
-            libc = _libc()
-            libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            libc.sync_file_range.argtypes.append(ctypes.c_uint)
-            libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            call = _libc().sync_file_range
+            call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            return call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
         finally:
             os.close(fd)
     except (OSError, AttributeError):
-        pass
+        return False
 
 
 def _release_pages(arr: Any, start: int, stop: int) -> None:

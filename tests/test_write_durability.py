@@ -5,6 +5,7 @@ before and after its rename."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -102,3 +103,20 @@ def test_a_shard_that_cannot_be_synced_leaves_no_manifest(tmp_path, monkeypatch)
     with pytest.raises(OSError, match=r"Could not sync the shard .*shard-00001\.tfrecord"):
         ArraysToRecords.from_arrays(x, d, samples_per_record=4, verbose=0)
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_write_back_of_each_shard_starts_as_it_closes(tmp_path, monkeypatch):
+    from keras_tfr import writer
+
+    started = []
+    real = writer._start_writeback
+
+    def start(path):
+        started.append((os.path.basename(path), real(path)))
+        return started[-1][1]
+
+    monkeypatch.setattr(writer, "_start_writeback", start)
+    x = np.arange(400, dtype=np.float32).reshape(100, 4)
+    m = ArraysToRecords.from_arrays(x, str(tmp_path / "ds"), samples_per_record=4, verbose=0)
+    assert started == [(s.file + ".tmp", True) for s in m.shards]
