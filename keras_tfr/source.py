@@ -19,7 +19,6 @@ This module only turns options into a plan and a plan into a pipeline; the parts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -34,6 +33,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
 
 from keras_tfr import distribute as _distribute
+from keras_tfr._seeds import only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
@@ -199,7 +199,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 f"The {opts.subset or 'selected'} subset of {opts.directory} holds no samples "
                 f"(validation_split={opts.validation_split}); use a smaller split or more data."
             )
-        with _only_op_seeds():
+        with only_op_seeds():
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
 
@@ -720,27 +720,3 @@ def _slow_random_access(total_bytes: int) -> str:
             f"machine's memory ({memory / 1e9:.1f} GB): random sample reads would go to disk"
         )
     return ""
-
-
-@contextlib.contextmanager
-def _only_op_seeds():
-    """Lets `seed=` alone decide the source's order.
-
-    TensorFlow combines an op's seed with the global seed (`tf.random.set_seed`, which
-    `keras.utils.set_random_seed` calls), so the same `seed=` would shuffle differently
-    in a program that set one. While the pipeline is built (eagerly), the global seed is
-    hidden; it is not reset (`tf.random.set_seed` would restart the user's own random
-    sequence).
-    """
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    saved = getattr(ctx, "_seed", None)
-    if saved is None or not tf.executing_eagerly():
-        yield
-        return
-    ctx._seed = None
-    try:
-        yield
-    finally:
-        ctx._seed = saved
