@@ -8,6 +8,19 @@ from typing import Any
 
 # (description, group, shape, numerator pipeline, denominator pipeline, minimum ratio)
 TARGETS = [
+    ("read small >= memmap + threads", "read", "small", "keras-tfr", "memmap-threads", 1.0),
+    ("read large >= memmap + threads", "read", "large", "keras-tfr", "memmap-threads", 1.0),
+    ("fit small >= memmap + PyDataset", "fit", "small", "keras-tfr", "memmap-pydataset", 1.0),
+    ("fit large >= memmap + PyDataset", "fit", "large", "keras-tfr", "memmap-pydataset", 1.0),
+    ("read large2g >= memmap + threads", "read", "large2g", "keras-tfr", "memmap-threads", 1.0),
+    (
+        "fit large2g >= memmap + PyDataset",
+        "fit",
+        "large2g",
+        "keras-tfr",
+        "memmap-pydataset",
+        1.0,
+    ),
     ("read small >= 7x tutorial", "read", "small", "keras-tfr", "tutorial", 7.0),
     (
         "read small >= 2x from_tensor_slices",
@@ -93,12 +106,15 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     f"{eps:,.0f}",
                     f"{r['mb_per_s']:,.0f}",
                     f"{r.get('peak_rss_mb', 0):,.0f}",
+                    f"{r['cpu_s_per_gb']:.2f}" if "cpu_s_per_gb" in r else "-",
                     ratio,
                 ]
             )
         else:
             err = str(r.get("error", "no result")).strip().splitlines()
-            out.append([r["group"], r["shape"], _label(r["pipeline"]), "-", "-", "-", err[-1][:60]])
+            out.append(
+                [r["group"], r["shape"], _label(r["pipeline"]), "-", "-", "-", "-", err[-1][:60]]
+            )
     for r in rows:
         if r["group"] == "rss":
             eps = r.get("examples_per_s")
@@ -110,13 +126,23 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     f"{eps:,.0f}" if eps else "-",
                     f"{r['mb_per_s']:,.0f}" if eps else "-",
                     f"{r.get('peak_rss_mb', 0):,.0f}",
+                    "-",
                     "",
                 ]
             )
     return out
 
 
-HEADER = ["bench", "shape", "pipeline", "examples/s", "MB/s", "peak RSS MB", "keras-tfr ÷ this"]
+HEADER = [
+    "bench",
+    "shape",
+    "pipeline",
+    "examples/s",
+    "MB/s",
+    "peak RSS MB",
+    "CPU s/GB",
+    "keras-tfr ÷ this",
+]
 
 
 def text_table(rows: list[list[str]]) -> str:

@@ -89,7 +89,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             cannot resume inside a shard).
         max_corrupt_records: with ``on_corrupt="skip"``, stop with a `CorruptRecordError`
             once more than this many records were dropped.
-        num_parallel_reads: reader threads (sample mode, default 2-4) or shards read at
+        num_parallel_reads: reader threads (sample mode, default 4-8) or shards read at
             once (block mode, default up to 8).
         deterministic: block mode: element order reproducible across runs; default True
             unless ``shuffle=True`` without a ``seed``. Sample mode is always ordered.
@@ -487,7 +487,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             order=self._order,
             num_batches=self._steps - self._pad_batches,
             batch_size=opts.batch_size,
-            readers=opts.num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
+            readers=opts.num_parallel_reads or min(8, max(4, os.cpu_count() or 4)),
             verify=opts.verify,
             skip=skip if opts.on_corrupt == "skip" else None,
         )
@@ -573,6 +573,12 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 n_records,
                 what,
                 total,
+            )
+        if total >= self._manifest.total_records:
+            raise ValueError(
+                f"keras-tfr: corrupt records: all {total} records of {self._cfg.directory} are "
+                f"damaged or unreadable (last in {path} at byte offset {offset}); nothing is "
+                "left to train on. Run `keras-tfr verify` on the data set."
             )
         if total > self._cfg.max_corrupt_records:
             raise ValueError(

@@ -281,9 +281,17 @@ def test_skip_stops_past_the_limit(dataset, reader):
     assert ok.corrupt_records == lost
 
 
-def test_skip_with_shuffle_and_validation_split(dataset):
+def test_skip_with_shuffle_and_validation_split(dataset, reader):
+    """Skipping keeps each subset's step count, passes on only good samples of that
+    subset (fills never leak the other subset's samples) and loses only what it must."""
     d, x, _, m = dataset
     _flip(os.path.join(d, m.shards[3].file), 2 * _frame(m) + 20)
+    record = 3 * RECORDS_PER_SHARD + 2  # global index of the damaged record
+    damaged = set(range(record * SPR, (record + 1) * SPR))
+    # The graph reader cannot resume inside a shard: the rest of shard 3 goes too.
+    last = record + 1 if reader == "mapped" else 4 * RECORDS_PER_SHARD
+    lost = set(range(record * SPR, last * SPR))
+    seen = {}
     for subset in ("training", "validation"):
         src = TFRecordSequenceSource(
             d,
@@ -296,7 +304,16 @@ def test_skip_with_shuffle_and_validation_split(dataset):
         )
         batches = _drain(src)
         assert len(batches) == len(src)
-        assert _check_samples(batches, x) <= len(src) * 8
+        n = _check_samples(batches, x)
+        ids = set(np.concatenate([b[1] for b in batches]).tolist())
+        assert not ids & damaged
+        if reader == "mapped":
+            assert n == src.num_samples  # holes filled one for one
+            members = set(src.sample_order(0).tolist())
+            assert ids <= members, "a fill came from outside the subset"
+        seen[subset] = ids
+    assert not seen["training"] & seen["validation"]
+    assert seen["training"] | seen["validation"] == set(range(N)) - lost
 
 
 class _CountBatches(keras.callbacks.Callback):
@@ -430,3 +447,51 @@ def test_verify_raises_on_a_bad_manifest(dataset, tmp_path):
     shutil.rmtree(d)
     with pytest.raises(ManifestError):
         verify(d)
+
+
+# ------------------------------------------------------------------ no runaway on damage
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.parametrize("records", [1, "all"])
+def test_skip_mode_ends_with_an_error_when_every_record_is_damaged(tmp_path, records, reader):
+    """Refilling the epoch must never loop without end, nor grow memory."""
+    if records == 1:
+        x = np.zeros((5, 3), np.float32)
+        d = str(tmp_path / "one")
+        ArraysToRecords.from_arrays(x, np.arange(5), d, verbose=0)
+    else:  # 4,000 x 16 float32, every shard damaged
+        x = np.random.default_rng(0).standard_normal((4000, 16)).astype(np.float32)
+        d = str(tmp_path / "all")
+        ArraysToRecords.from_arrays(x, np.arange(4000), d, samples_per_record=100, verbose=0)
+    m = Manifest.load(d)
+    frame = _frame(m)
+    for shard in m.shards:
+        for j in range(shard.records):
+            _flip(os.path.join(d, shard.file), j * frame + 20)
+    src = TFRecordSequenceSource(
+        d, batch_size=16, seed=0, on_corrupt="skip", max_corrupt_records=10**6
+    )
+    before = _rss_mb()
+    result = {}
+
+    def drain():
+        try:
+            _drain(src)
+        except Exception as e:
+            result["error"] = e
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "skip mode looped on a data set with no sound record"
+    assert isinstance(result.get("error"), CorruptRecordError)
+    assert "damaged" in str(result["error"])
+    assert _rss_mb() - before < 300

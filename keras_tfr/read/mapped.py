@@ -67,7 +67,7 @@ from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
 _UNIT_BYTES = 8 << 20  # what one cutter call gathers: several batches
-_CHUNK_BYTES = 256 << 10  # gather in cache-sized pieces, then copy into the aligned unit
+_CHUNK_BYTES = 64 << 10  # gather in pieces under malloc's mmap threshold (see `gather`)
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
 _TRUNCATED = "the file ends inside this record (truncated)"
 _PROT_READ = 1
@@ -293,10 +293,16 @@ class MappedPlan:
         with self._region_lock:
             if self._region is None:
                 self._region = _Region(self.files, self.shard_bytes)
-                arr = self._region.array
+                arr = self._region_array = self._region.array
+                # Per feature, a read-only "sliding window": element i is the sample_bytes
+                # bytes at address i, one opaque (void) item, so a gather copies whole
+                # samples rather than single bytes.
                 self.windows = [
-                    np.lib.stride_tricks.as_strided(
-                        arr, shape=(max(1, len(arr) - sb + 1), sb), strides=(1, 1), writeable=False
+                    np.ndarray(
+                        shape=(max(1, len(arr) - sb + 1),),
+                        dtype=np.dtype((np.void, sb)),
+                        buffer=arr,
+                        strides=(1,),
                     )
                     for sb in self.sample_bytes
                 ]
@@ -438,9 +444,18 @@ class MappedPlan:
             if self.short is not None and is_short.any():
                 offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
             out = buffers.take(len(ids))
-            step = max(1, _CHUNK_BYTES // sb)
-            for a in range(0, len(ids), step):
-                out[a : a + step] = window[offsets[a : a + step]]
+            step = _CHUNK_BYTES // sb
+            if step:
+                # Fancy indexing gathers into a temporary: pieces under malloc's mmap
+                # threshold (128 KB) come from the heap (a fresh mmap per piece would
+                # page-fault on every page) and stay in cache for the copy into `out`.
+                flat = out.view(window.dtype).reshape(-1)
+                for a in range(0, len(ids), step):
+                    flat[a : a + step] = window[offsets[a : a + step]]
+            else:  # large samples: one slice copy each, no temporary at all
+                arr = self._region_array
+                for a, at in enumerate(offsets.tolist()):
+                    out[a] = arr[at : at + sb]
             outs.append(out)
         return outs
 
