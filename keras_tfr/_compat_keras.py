@@ -21,6 +21,10 @@ What keras-tfr uses instead (each entry of `PRIVATE_APIS`):
   object (not on the class) runs Keras' own loop over ``len(source) - k`` batches and
   numbers them ``k, k + 1, ...``; the attribute removes itself when that epoch's loop
   starts, so every later epoch runs Keras' code untouched.
+- ``Trainer._symbolic_build(data_batch=...)``: the TensorFlow trainer creates the
+  compiled metrics' variables only when it traces the first step; a resumed epoch
+  restores their running totals before that, so it has Keras build them from the
+  source's ``element_spec`` (what the JAX trainer does before every ``fit``).
 - ``EpochIterator.steps_per_epoch``, ``EpochIterator.data_adapter`` and the adapter's
   ``get_tf_dataset()``: to check that each epoch's iterator is made from the source
   itself (no ``steps_per_epoch``, no ``class_weight`` map, no distribution wrapper).
@@ -52,6 +56,9 @@ PRIVATE_APIS = {
     "EpochIterator._num_batches": "keras/src/trainers/epoch_iterator.py",
     "EpochIterator.steps_per_epoch, .steps_per_execution, .data_adapter": (
         "keras/src/trainers/epoch_iterator.py"
+    ),
+    "Trainer._symbolic_build(data_batch=...)": (
+        "keras/src/trainers/trainer.py; builds the compiled metrics before a resumed step"
     ),
     "TFDatasetAdapter.get_tf_dataset()": ("keras/src/trainers/data_adapters/tf_dataset_adapter.py"),
 }
@@ -171,6 +178,22 @@ def set_initial_epoch(model: Any, epoch: int | None) -> None:
     model._initial_epoch = epoch
 
 
+def build_metrics(model: Any, element_spec: Any) -> None:
+    """Creates the compiled metrics' variables before the first training step.
+
+    The TensorFlow trainer creates them when it traces the first step (JAX's ``fit``
+    before ``on_train_begin``); a resumed epoch must set their running totals before
+    that step. Keras' own ``Trainer._symbolic_build`` does it from the batch's spec.
+    """
+    import keras
+    import tensorflow as tf
+
+    def symbolic(spec: Any) -> Any:
+        return keras.KerasTensor(tuple(spec.shape.as_list()), dtype=spec.dtype.name)
+
+    model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, element_spec))
+
+
 def start_epoch_at_step(epoch_iterator: Any, step: int) -> None:
     """Makes the next epoch of ``epoch_iterator`` run steps ``step .. n - 1`` only.
 
@@ -216,6 +239,9 @@ def check_private_api() -> list[str]:
     version = version_problem()
     if version is not None:
         problems.append(version)
+    build = getattr(trainer_module.Trainer, "_symbolic_build", None)
+    if build is None or "data_batch" not in inspect.signature(build).parameters:
+        problems.append("Trainer._symbolic_build(data_batch=...) is gone")
     init_src = inspect.getsource(trainer_module.Trainer.__init__)
     if "self._initial_epoch = None" not in init_src:
         problems.append("Trainer.__init__ no longer sets `self._initial_epoch`")

@@ -196,9 +196,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._restore_history(resume)
             if resume["epoch"] == epoch and resume["step"] > 0:
                 step = resume["step"]
-                # After fit's reset_metrics(): the epoch's running totals go on.
-                for variable, value in zip(self.model.metrics_variables, resume["metrics"]):
-                    variable.assign(value)
+                self._restore_metrics(resume)
                 _compat_keras.start_epoch_at_step(context.epoch_iterator, step)
         context.x.set_epoch(epoch, step)
         val = context.validation_data
@@ -367,12 +365,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         with np.load(io.BytesIO(raw), allow_pickle=False) as state:
             arrays = {k: state[k] for k in state.files}
         non_trainable = _numbered(arrays, "non_trainable")
-        metrics = _numbered(arrays, "metrics")
         _check_shapes(path, "non-trainable", model.non_trainable_variables, non_trainable)
-        _check_shapes(path, "metrics", model.metrics_variables, metrics)
         for variable, value in zip(model.non_trainable_variables, non_trainable):
             variable.assign(value)
-        return metrics
+        return _numbered(arrays, "metrics")
+
+    def _restore_metrics(self, resume: dict[str, Any]) -> None:
+        # Called after fit's reset_metrics(): the epoch's running totals go on from the
+        # backup's, so the epoch's logged loss and metrics average over all its batches.
+        model = self.model
+        if len(model.metrics_variables) != len(resume["metrics"]):
+            _compat_keras.build_metrics(model, self._context.x.element_spec)
+        _check_shapes(resume["path"], "metrics", model.metrics_variables, resume["metrics"])
+        for variable, value in zip(model.metrics_variables, resume["metrics"]):
+            variable.assign(value)
 
     def _restore_history(self, resume: dict[str, Any]) -> None:
         history = self._context.history() if self._context else None
