@@ -303,7 +303,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return [
             e
             for e in self._backup_dirs()
-            if _io.exists(_io.join(self.backup_dir, e[2], METADATA_NAME))
+            if _io.exists(_io.join(_io.join(self.backup_dir, e[2]), METADATA_NAME))
         ]
 
     def _restore(self) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Child process of tests/test_backup.py: one ``fit`` with `keras_tfr.BackupAndRestore`.
 
 Usage: ``python tests/_backup_child.py CONFIG.json`` (the backend from ``KERAS_BACKEND``).
+The test file also imports `StandInSource`, `Counter` and `model_for` from here.
 The same command is run again after each SIGKILL, as a user would restart a job. The
 config names the kill points; each one is used once (recorded in ``killed.txt`` before
 the kill), so the restarted command goes past it. When ``fit`` returns, the final
@@ -20,15 +21,14 @@ import os
 import signal
 import sys
 
-with open(sys.argv[1]) as f:
-    CONFIG = json.load(f)
-OUT = CONFIG["out"]
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from keras_tfr import BackupAndRestore
 
-from keras_tfr import BackupAndRestore  # noqa: E402
+CONFIG: dict = {}
+OUT = ""
 
 
 class StandInSource(tf.data.Dataset):
@@ -44,6 +44,7 @@ class StandInSource(tf.data.Dataset):
         self._batch_size, self._seed, self._shuffle = batch_size, seed, shuffle
         self._steps = -(-len(y) // batch_size)
         self._next = (0, 0)
+        self.calls = []  # every set_epoch call, for tests
         self._template = self._pipeline(0, 0)
         super().__init__(self._template._variant_tensor)
 
@@ -54,6 +55,7 @@ class StandInSource(tf.data.Dataset):
         return np.random.default_rng([self._seed, epoch]).permutation(n)
 
     def set_epoch(self, epoch, step=0):
+        self.calls.append((epoch, step))
         self._next = (epoch, step)
 
     def _pipeline(self, epoch, step):
@@ -100,22 +102,23 @@ class Counter(keras.layers.Layer):
         return x
 
 
-def data():
+def arrays(n, n_val):
+    """Training and validation ``(features, ids, y)``; ids number all samples."""
     rng = np.random.default_rng(123)
-    n, n_val, f = CONFIG["train"], CONFIG["val"], 5
-    features = rng.standard_normal((n + n_val, f)).astype(np.float32)
+    features = rng.standard_normal((n + n_val, 5)).astype(np.float32)
     ids = np.arange(n + n_val, dtype=np.int32)
-    y = (features @ rng.standard_normal((f, 1)) + 0.1).astype(np.float32)
+    y = (features @ rng.standard_normal((5, 1)) + 0.1).astype(np.float32)
+    return (features[:n], ids[:n], y[:n]), (features[n:], ids[n:], y[n:])
+
+
+def data():
+    train, val = arrays(CONFIG["train"], CONFIG["val"])
     bs, seed = CONFIG["batch_size"], CONFIG["seed"]
-    train = (features[:n], ids[:n], y[:n])
-    val = (features[n:], ids[n:], y[n:])
     if CONFIG["data"] == "standin":
         return (
             StandInSource(*train, bs, seed, shuffle=True),
             StandInSource(*val, bs, seed, shuffle=False),
         )
-    if CONFIG["data"] == "arrays":
-        return train, val
     from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 
     sources = []
@@ -129,7 +132,8 @@ def data():
     return tuple(sources)
 
 
-def model_for(n_ids):
+def model_for(n_ids, jit_compile="auto"):
+    """Counter -> Dense -> Dropout (seeded) -> Dense; Adam with a decaying learning rate."""
     keras.utils.set_random_seed(0)
     x = keras.Input((5,), name="x")
     ids = keras.Input((), dtype="int32", name="id")
@@ -139,7 +143,7 @@ def model_for(n_ids):
     out = keras.layers.Dense(1)(h)
     model = keras.Model({"x": x, "id": ids}, out)
     lr = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=4, decay_rate=0.8)
-    model.compile(keras.optimizers.Adam(lr), "mse", metrics=["mae"])
+    model.compile(keras.optimizers.Adam(lr), "mse", metrics=["mae"], jit_compile=jit_compile)
     return model
 
 
@@ -199,6 +203,10 @@ class BatchLog(keras.callbacks.Callback):
 
 
 def main():
+    global OUT
+    with open(sys.argv[1]) as f:
+        CONFIG.update(json.load(f))
+    OUT = CONFIG["out"]
     train, val = data()
     n_ids = CONFIG["train"] + CONFIG["val"]
     model = model_for(n_ids)
@@ -224,28 +232,13 @@ def main():
         double_checkpoint=CONFIG.get("double_checkpoint", False),
         delete_checkpoint=False,
     )
-    fit_kwargs = {}
-    if CONFIG["data"] == "arrays":
-        (fx, fid, fy), (vx, vid, vy) = train, val
-        train = ({"x": fx, "id": fid}, fy)
-        val = ({"x": vx, "id": vid}, vy)
-        fit_kwargs = dict(batch_size=CONFIG["batch_size"], shuffle=False)
-        history = model.fit(
-            *train,
-            validation_data=val,
-            epochs=CONFIG["epochs"],
-            verbose=0,
-            callbacks=[BatchLog(), backup, killer],
-            **fit_kwargs,
-        )
-    else:
-        history = model.fit(
-            train,
-            validation_data=val,
-            epochs=CONFIG["epochs"],
-            verbose=0,
-            callbacks=[BatchLog(), backup, killer],
-        )
+    history = model.fit(
+        train,
+        validation_data=val,
+        epochs=CONFIG["epochs"],
+        verbose=0,
+        callbacks=[BatchLog(), backup, killer],
+    )
     arrays = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     for i, v in enumerate(model.optimizer.variables):
         arrays[f"opt{i}"] = keras.ops.convert_to_numpy(v)
