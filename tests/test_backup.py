@@ -30,7 +30,7 @@ from keras_tfr.backup import BackupRestoreError
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "_backup_child.py"
 STEPS, EPOCHS = 10, 3  # 40 samples, batches of 4
-BASE = dict(train=40, val=12, batch_size=4, seed=0, epochs=EPOCHS, data="standin")
+BASE = dict(train=40, val=12, batch_size=4, seed=0, epochs=EPOCHS, data="source")
 
 
 def _run(out: Path, backend: str, **config) -> int:
