@@ -45,6 +45,7 @@ class StandInSource(tf.data.Dataset):
         self._steps = -(-len(y) // batch_size)
         self._next = (0, 0)
         self.calls = []  # every set_epoch call, for tests
+        self.iterators = 0
         self._template = self._pipeline(0, 0)
         super().__init__(self._template._variant_tensor)
 
@@ -67,6 +68,7 @@ class StandInSource(tf.data.Dataset):
         return ds.apply(tf.data.experimental.assert_cardinality(self._steps - step))
 
     def __iter__(self):
+        self.iterators += 1
         epoch, step = self._next
         self._next = (epoch + 1, 0)
         return iter(self._pipeline(epoch, step))

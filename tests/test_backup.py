@@ -326,6 +326,9 @@ def test_epoch_set_on_the_sources_at_every_epoch_begin(tmp_path):
     _fit(BackupAndRestore(str(tmp_path / "b"), save_freq=4), sources=sources)
     assert sources[0].calls == [(0, 0), (1, 0)]
     assert sources[1].calls == [(0, 0), (1, 0)]
+    # Why the epoch must be set: Keras makes two iterators per epoch (one at its start,
+    # one at its end that is never read), so counting iterators would skip epochs.
+    assert sources[0].iterators == 2 * IN_EPOCHS
     sources = _sources()
     _fit(BackupAndRestore(str(tmp_path / "c"), save_freq=4), stop=(1, 5), sources=sources)
     sources = _sources()
@@ -371,6 +374,51 @@ def test_without_a_resumable_source_it_is_keras_callback(tmp_path):
         np.testing.assert_array_equal(got, want)
     assert tfr_run[2:] == keras_run[2:]
     assert tfr_run[4][0] == (1, 0)  # Keras restarts the interrupted epoch at step 0
+    assert tfr_run[3] == [1]  # and its History holds only the epochs of this run
+
+
+def test_plain_dataset_gets_keras_callback(tmp_path):
+    import tensorflow as tf
+
+    train, _ = arrays(BASE["train"], BASE["val"])
+    ds = tf.data.Dataset.from_tensor_slices(({"x": train[0], "id": train[1]}, train[2])).batch(4)
+    model = model_for(BASE["train"] + BASE["val"], jit_compile=False)
+    d = tmp_path / "backup"
+    callback = BackupAndRestore(str(d), delete_checkpoint=False)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[callback])
+    assert sorted(p.name for p in d.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
+
+
+def test_save_weights_leaves_out_seed_generators(tmp_path):
+    # Why the backup also keeps the non-trainable variables in state.npz.
+    h5py = pytest.importorskip("h5py")
+    model = model_for(BASE["train"] + BASE["val"])
+    seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
+    assert seeds
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    saved = []
+    with h5py.File(tmp_path / "m.weights.h5") as f:
+        f.visititems(lambda name, obj: saved.append(name))
+    assert not any("seed" in name for name in saved)
+    assert len([n for n in saved if n.endswith("/vars/0")]) >= 1  # the weights are there
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({}, None),
+        ({"steps_per_epoch": 5}, "steps_per_epoch"),
+        ({"class_weight": {0: 1.0}}, "Keras wraps the source"),
+    ],
+)
+def test_falls_back_when_keras_does_not_iterate_the_source(kwargs, problem):
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    train, _ = _sources()
+    iterator = EpochIterator(x=train, **kwargs)
+    context = _compat_keras.FitContext(None, train, None, iterator, None)
+    found = context.iterates_source_directly()
+    assert (found is None) if problem is None else (problem in found)
 
 
 def test_own_backup_with_data_that_cannot_resume_is_refused(tmp_path):
