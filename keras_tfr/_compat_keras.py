@@ -147,7 +147,10 @@ def fit_context(model: Any) -> tuple[FitContext | None, str | None]:
         be used (Keras outside `VERIFIED_RANGE`, or no ``fit`` found); the context may
         then still be read (which data ``fit`` got) but not acted on.
     """
-    from keras.src.trainers.epoch_iterator import EpochIterator
+    try:
+        from keras.src.trainers.epoch_iterator import EpochIterator
+    except ImportError:
+        return None, "keras.src.trainers.epoch_iterator.EpochIterator is gone"
 
     context = None
     frame: types.FrameType | None = sys._getframe(1)

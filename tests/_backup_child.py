@@ -134,7 +134,7 @@ def data():
     return tuple(sources)
 
 
-def model_for(n_ids, jit_compile="auto"):
+def model_for(n_ids, jit_compile="auto", steps_per_execution=1):
     """Counter -> Dense -> Dropout (seeded) -> Dense; Adam with a decaying learning rate."""
     keras.utils.set_random_seed(0)
     x = keras.Input((5,), name="x")
@@ -145,7 +145,13 @@ def model_for(n_ids, jit_compile="auto"):
     out = keras.layers.Dense(1)(h)
     model = keras.Model({"x": x, "id": ids}, out)
     lr = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=4, decay_rate=0.8)
-    model.compile(keras.optimizers.Adam(lr), "mse", metrics=["mae"], jit_compile=jit_compile)
+    model.compile(
+        keras.optimizers.Adam(lr),
+        "mse",
+        metrics=["mae"],
+        jit_compile=jit_compile,
+        steps_per_execution=steps_per_execution,
+    )
     return model
 
 

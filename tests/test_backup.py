@@ -223,9 +223,11 @@ class _Steps(keras.callbacks.Callback):
         self.trained.append((self.epoch, batch))
 
 
-def _fit(backup, epochs=IN_EPOCHS, stop=None, sources=None):
+def _fit(backup, epochs=IN_EPOCHS, stop=None, sources=None, steps_per_execution=1):
     train, val = sources or _sources()
-    model = model_for(BASE["train"] + BASE["val"], jit_compile=False)
+    model = model_for(
+        BASE["train"] + BASE["val"], jit_compile=False, steps_per_execution=steps_per_execution
+    )
     steps = _Steps()
     callbacks = [steps] + ([backup] if backup else []) + ([_Stop(*stop)] if stop else [])
     if stop:
@@ -297,6 +299,21 @@ def test_backup_cut_short_by_a_kill_is_ignored(tmp_path, uninterrupted):
     for got, want in zip(_weights(model), uninterrupted[0]):
         np.testing.assert_array_equal(got, want)
     assert history.history == uninterrupted[1]
+
+
+def test_steps_per_execution(tmp_path):
+    def fit(name, stop=None):
+        backup = BackupAndRestore(str(tmp_path / name), save_freq=4)
+        return _fit(backup, stop=stop, steps_per_execution=2)
+
+    model, history, trained = fit("u")
+    assert trained[:3] == [(0, 1), (0, 3), (0, 5)]  # Keras reports each pair's last step
+    fit("k", stop=(1, 5))  # backups after 4 and 8 steps of epoch 0, 2 and 6 of epoch 1
+    resumed, resumed_history, resumed_trained = fit("k")
+    assert resumed_trained == [(1, 7), (1, 9)]
+    for got, want in zip(_weights(resumed), _weights(model)):
+        np.testing.assert_array_equal(got, want)
+    assert resumed_history.history == history.history
 
 
 def test_only_backup_damaged_raises_naming_the_file(tmp_path):
