@@ -53,7 +53,7 @@ import os
 import re
 import shutil
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -148,16 +148,17 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._exact = False
         self._resume = None
+        self._context = None
         context, problem = _compat_keras.fit_context(self.model)
         resumable = context is not None and _is_resumable(context.x)
-        if resumable and problem is None:
+        if context is not None and resumable and problem is None:
             problem = context.iterates_source_directly()
             if problem is None and context.steps_per_epoch != len(context.x):
                 problem = (
                     f"Keras counts {context.steps_per_epoch} steps per epoch but the source "
                     f"has {len(context.x)} batches"
                 )
-        if not resumable or problem is not None:
+        if context is None or not resumable or problem is not None:
             own = self._complete_backups()
             if own:
                 raise BackupRestoreError(
@@ -176,7 +177,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return super().on_train_begin(logs)
         self._exact = True
         self._context = context
-        self._steps = int(context.steps_per_epoch)
+        self._steps = len(context.x)
         self._epoch = 0
         self._done = 0  # steps of the current epoch trained so far
         self._since_backup = 0
@@ -186,10 +187,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._since_backup = self._resume["batches_since_backup"]
             _compat_keras.set_initial_epoch(self.model, self._resume["epoch"])
 
+    @property
+    def _fit(self) -> _compat_keras.FitContext:
+        if self._context is None:  # pragma: no cover - only between on_train_begin and end
+            raise RuntimeError("BackupAndRestore is not inside a running `fit`.")
+        return self._context
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if not self._exact:
             return super().on_epoch_begin(epoch, logs)
-        context = self._context
+        context = self._fit
         step = 0
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -261,7 +268,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         model.save_weights(weights, overwrite=True)
         _fsync(weights)
         state = io.BytesIO()
-        np.savez(state, **_state_arrays(model))
+        np.savez(state, **cast(dict[str, Any], _state_arrays(model)))
         _io.write_atomic(_io.join(path, STATE_NAME), state.getvalue())
         metadata = {
             "format": FORMAT,
@@ -340,7 +347,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 + "\n  ".join(failures)
                 + "\nDelete the directory to start over."
             )
-        if failures:
+        if chosen is not None and failures:
             warnings.warn(
                 f"Restored the previous backup {chosen['path']}, because the newer one "
                 f"could not be: {'; '.join(failures)}.",
@@ -375,7 +382,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # backup's, so the epoch's logged loss and metrics average over all its batches.
         model = self.model
         if len(model.metrics_variables) != len(resume["metrics"]):
-            _compat_keras.build_metrics(model, self._context.x.element_spec)
+            _compat_keras.build_metrics(model, self._fit.x.element_spec)
         _check_shapes(resume["path"], "metrics", model.metrics_variables, resume["metrics"])
         for variable, value in zip(model.metrics_variables, resume["metrics"]):
             variable.assign(value)
