@@ -15,6 +15,11 @@ from typing import Any
 
 from keras_tfr.errors import DatasetLockedError
 
+try:
+    import fcntl
+except ImportError:  # Windows: the lock falls back to an exclusive create
+    fcntl = None  # type: ignore[assignment]
+
 
 def is_remote(path: str) -> bool:
     """True for paths with a URL scheme (``gs://``, ``ram://``, ...)."""
@@ -140,7 +145,9 @@ def write_json_atomic(path: str, obj: Any, durable: bool = True) -> None:
     write_atomic(path, data, durable=durable)
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: Any) -> bool:
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -151,29 +158,42 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirectoryLock:
-    """One writer per data set directory: a lock file created exclusively.
+    """One writer per data set directory: a lock file that names its writer.
 
-    A lock left by a killed process on this host (its pid no longer runs) is taken over,
-    so a conversion killed with SIGKILL can be resumed. On remote file systems there is
-    no exclusive create; the lock is then advisory (checked, then written).
+    On local file systems the writer holds the file with `fcntl.flock` while it writes.
+    The kernel drops that lock when the process ends, however it ends, so the file of a
+    killed writer is taken over at once, even an empty one (a writer killed between
+    creating the file and writing its pid), and a running writer's lock is never taken,
+    whatever the file holds. A file no one holds is still respected when it names a live
+    process on this host or another host (a writer that does not use `flock`, or one on
+    another machine sharing the file system).
+
+    Without `flock` (Windows, a file system that refuses it) the file is created
+    exclusively: a lock whose pid no longer runs on this host is taken over, and so is an
+    empty or unreadable one older than `STALE_EMPTY_S` seconds. On remote file systems
+    there is no exclusive create; the lock is then advisory (checked, then written).
     """
 
     NAME = ".keras-tfr.lock"
+    STALE_EMPTY_S = 10.0  # a live writer fills its lock file within microseconds
 
     def __init__(self, directory: str):
         self.path = join(directory, self.NAME)
         self._held = False
+        self._fd: int | None = None
 
     def acquire(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        payload = json.dumps(info).encode()
         if is_remote(self.path):
             if exists(self.path):
                 self._refuse_or_take_over()
             with _gfile().GFile(self.path, "wb") as f:
-                f.write(payload)
+                f.write(json.dumps(info).encode())
             self._held = True
             return
+        if fcntl is not None and self._acquire_flock({**info, "flock": True}):
+            return
+        payload = json.dumps(info).encode()
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -186,22 +206,83 @@ class DirectoryLock:
             return
         raise DatasetLockedError(f"Could not take the lock file {self.path}.")
 
-    def _refuse_or_take_over(self) -> None:
+    def _acquire_flock(self, info: dict[str, Any]) -> bool:
+        """Takes the lock with `flock`; False when this file system does not support it."""
+        for _ in range(8):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            keep = False
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a running writer holds it
+                    raise self._locked(self._holder()) from None
+                except OSError:  # ENOLCK, EOPNOTSUPP: no flock on this file system
+                    return False
+                try:
+                    st = os.stat(self.path)
+                    current = (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+                except FileNotFoundError:
+                    current = False
+                if not current:  # its writer released it as we opened it: take the new one
+                    continue
+                holder = self._holder()
+                dead = not holder or (
+                    holder.get("host") == info["host"]
+                    and (holder.get("flock") is True or not _pid_alive(holder.get("pid")))
+                )
+                if not dead:
+                    raise self._locked(holder)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(info).encode(), 0)
+                keep = True
+                self._fd = fd
+                self._held = True
+                return True
+            finally:
+                if not keep:
+                    os.close(fd)
+        raise DatasetLockedError(f"Could not take the lock file {self.path}.")
+
+    def _holder(self) -> dict[str, Any]:
+        """The lock file's content; {} when it is empty, unreadable or gone."""
         try:
             holder = json.loads(read_bytes(self.path).decode())
         except (OSError, ValueError):
-            holder = {}
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _locked(self, holder: dict[str, Any]) -> DatasetLockedError:
+        who = f" (pid {holder.get('pid')} on {holder.get('host')})" if holder else ""
+        return DatasetLockedError(
+            f"Another writer{who} is writing to this directory: its lock file {self.path} "
+            "exists. Wait for it to finish, or delete the lock file if that writer is gone."
+        )
+
+    def _refuse_or_take_over(self) -> None:
+        holder = self._holder()
         pid, host = holder.get("pid"), holder.get("host")
         if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
             remove(self.path)  # stale: its writer was killed
             return
-        raise DatasetLockedError(
-            f"Another writer (pid {pid} on {host}) is writing to this directory: its lock "
-            f"file {self.path} exists. Wait for it to finish, or delete the lock file if "
-            "that writer is gone."
-        )
+        if not holder and not is_remote(self.path):
+            try:
+                st = os.stat(self.path)
+            except FileNotFoundError:
+                return
+            if time.time() - st.st_mtime > self.STALE_EMPTY_S:
+                # Empty and old: its writer was killed before it wrote its pid. Removed only
+                # if it is still that file (another writer may have just replaced it).
+                again = os.stat(self.path)
+                if (again.st_ino, again.st_mtime_ns) == (st.st_ino, st.st_mtime_ns):
+                    remove(self.path)
+                return
+        raise self._locked(holder)
 
     def release(self) -> None:
         if self._held:
+            # Removed while still held: a writer waiting on this file sees it is gone.
             remove(self.path)
             self._held = False
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

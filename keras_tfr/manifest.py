@@ -164,7 +164,8 @@ class Manifest:
         return out
 
     def save(self, directory: str) -> None:
-        """Writes ``manifest.json`` atomically (temporary name, then rename)."""
+        """Writes ``manifest.json`` atomically and durably: a temporary name, fsync, rename,
+        then an fsync of the directory (local files)."""
         if not self.created:
             self.created = datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"

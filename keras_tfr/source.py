@@ -19,7 +19,6 @@ This module only turns options into a plan and a plan into a pipeline; the parts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -34,6 +33,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
 
 from keras_tfr import distribute as _distribute
+from keras_tfr._seeds import only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
@@ -179,7 +179,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self._ragged, self._decode = check_decode_options(
             opts.ragged, opts.decode, [f.key for f in manifest.features]
         )
-        self._options = opts
+        self._cfg = opts
         self._manifest = manifest
         self._specs = sorted(manifest.features, key=lambda s: s.key)
         self._access, why = _choose_access(opts, manifest, self._specs)
@@ -199,7 +199,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 f"The {opts.subset or 'selected'} subset of {opts.directory} holds no samples "
                 f"(validation_split={opts.validation_split}); use a smaller split or more data."
             )
-        with _only_op_seeds():
+        with only_op_seeds():
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
 
@@ -222,9 +222,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     def __repr__(self) -> str:
         return (
-            f"<TFRecordSequenceSource {self._options.directory!r}: {self._num_samples} "
+            f"<TFRecordSequenceSource {self._cfg.directory!r}: {self._num_samples} "
             f"samples, batch_size={self.batch_size}, {self._steps} steps, "
-            f"shuffle={self._options.shuffle}, access={self._access!r}>"
+            f"shuffle={self._cfg.shuffle}, access={self._access!r}>"
         )
 
     # ----------------------------------------------------------- public extras
@@ -235,9 +235,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return self._manifest
 
     @property
-    def options(self) -> SourceOptions:
-        """The source's arguments, checked (a frozen dataclass)."""
-        return self._options
+    def config(self) -> SourceOptions:
+        """The source's arguments, checked (a frozen dataclass; `options()` is
+        `tf.data.Dataset`'s own method)."""
+        return self._cfg
 
     @property
     def access(self) -> str:
@@ -256,7 +257,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     @property
     def batch_size(self) -> int:
-        return self._options.batch_size
+        return self._cfg.batch_size
 
     def set_epoch(self, epoch: int, step: int = 0) -> None:
         """Makes the next iterator read epoch ``epoch`` from batch ``step`` on.
@@ -307,8 +308,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 f"`replace` got unknown arguments {sorted(unknown)}; expected some of "
                 f"{sorted(names)}"
             )
-        opts = dataclasses.replace(self._options, **changes)
-        same_data = os.fspath(opts.directory) == self._options.directory
+        opts = dataclasses.replace(self._cfg, **changes)
+        same_data = os.fspath(opts.directory) == self._cfg.directory
         return TFRecordSequenceSource(
             opts.directory, manifest=self._manifest if same_data else None, **opts.as_kwargs()
         )
@@ -342,7 +343,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def _steps_of(self, shares: list[int], own: int) -> tuple[int, int]:
         """(steps every worker runs, empty batches this worker pads with)."""
         b = self.batch_size
-        if self._options.drop_remainder:
+        if self._cfg.drop_remainder:
             steps = min(n // b for n in shares)
             if steps == 0:
                 raise ValueError(
@@ -355,7 +356,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return steps, steps - math.ceil(own / b)
 
     def _sample_plan(self) -> _order.SampleOrder:
-        opts = self._options
+        opts = self._cfg
         m = self._manifest
 
         def share(worker: int | None) -> _order.SampleOrder:
@@ -370,26 +371,31 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 batch_size=opts.batch_size,
             )
 
+        if opts.validation_split is not None and m.total_samples < 2:
+            raise ValueError(
+                f"`validation_split` needs at least 2 samples; {opts.directory} holds "
+                f"{m.total_samples}."
+            )
         order = share(opts.worker_index)
         self._num_samples = order.size
-        if order.size == 0:
-            self._steps = self._pad_batches = self._rows = 0
-            return order
         if opts.num_workers is None:
             shares = [order.size]
         else:
             shares = [share(w).size for w in range(opts.num_workers)]
-            if min(shares) == 0:
+            if min(shares) == 0 and sum(shares):
                 raise ValueError(
                     f"`num_workers={opts.num_workers}` leaves a worker without samples: the "
                     f"subset holds {sum(shares)}."
                 )
+        if order.size == 0:
+            self._steps = self._pad_batches = self._rows = 0
+            return order
         self._steps, self._pad_batches = self._steps_of(shares, order.size)
         self._rows = min(order.size, (self._steps - self._pad_batches) * opts.batch_size)
         return order
 
     def _block_plan(self) -> None:
-        opts = self._options
+        opts = self._cfg
         m = self._manifest
         counts = np.full(m.total_records, m.samples_per_record, dtype=np.int64)
         if m.total_records:
@@ -424,8 +430,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         batches, at most a quarter of ``shuffle_memory`` when shuffling."""
         m = self._manifest
         pool_bytes = max(_POOL_BYTES, 2 * self.batch_size * m.sample_bytes)
-        if self._options.shuffle:
-            pool_bytes = min(pool_bytes, max(m.record_bytes, self._options.shuffle_bytes // 4))
+        if self._cfg.shuffle:
+            pool_bytes = min(pool_bytes, max(m.record_bytes, self._cfg.shuffle_bytes // 4))
         return pool_bytes
 
     # ----------------------------------------------------------- pipeline
@@ -435,7 +441,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return self._finish(self._build_mapped(), direct=True)
         from keras_tfr.read.graph import GraphReader
 
-        opts = self._options
+        opts = self._cfg
         deterministic = opts.deterministic
         if deterministic is None:
             deterministic = not (opts.shuffle and opts.seed is None)
@@ -464,7 +470,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         from keras_tfr.read import mapped
 
         m = self._manifest
-        opts = self._options
+        opts = self._cfg
         specs = self._specs
         assert self._order is not None
 
@@ -503,7 +509,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     def _finish(self, batches: tf.data.Dataset, direct: bool) -> tf.data.Dataset:
         """The stages after batching, shared by both modes."""
-        opts = self._options
+        opts = self._cfg
         if any(s.kind != "fixed" for s in self._specs) or self._decode:
             from keras_tfr.tfrecords import finish_features
 
@@ -568,10 +574,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 what,
                 total,
             )
-        if total > self._options.max_corrupt_records:
+        if total > self._cfg.max_corrupt_records:
             raise ValueError(
                 f"keras-tfr: corrupt records: {total} skipped, more than "
-                f"max_corrupt_records={self._options.max_corrupt_records}; last in {path} at "
+                f"max_corrupt_records={self._cfg.max_corrupt_records}; last in {path} at "
                 f"byte offset {offset}. Run `keras-tfr verify` on the data set."
             )
         return True
@@ -606,6 +612,7 @@ class _EpochClock:
         self._lock = threading.Lock()
         self._epoch = 0
         self._step = 0
+        self.last_step = 0  # first batch of the last epoch handed out
 
     def set(self, epoch: int, step: int) -> None:
         with self._lock:
@@ -614,6 +621,7 @@ class _EpochClock:
     def take(self) -> tuple[int, int]:
         with self._lock:
             out = (self._epoch, self._step)
+            self.last_step = self._step
             self._epoch += 1
             self._step = 0
         return out
@@ -621,11 +629,21 @@ class _EpochClock:
 
 class _Iterator(iterator_ops.OwnedIterator):
     """An iterator whose damaged-data errors are `CorruptRecordError`, whichever reader
-    found them (TensorFlow reports them as its own error types)."""
+    found them (TensorFlow reports them as its own error types), and that ends quietly
+    after an epoch started mid-way by `set_epoch(epoch, step)` (the source's cardinality
+    is a whole epoch's)."""
+
+    def __init__(self, source: TFRecordSequenceSource):
+        super().__init__(source)
+        self._clock = source._clock
 
     def __next__(self) -> Any:
         try:
             return super().__next__()
+        except tf.errors.FailedPreconditionError as e:
+            if self._clock.last_step and "expected to contain" in str(e):
+                raise StopIteration from None
+            raise
         except tf.errors.OpError as e:
             converted = corrupt_record_error(e)
             if converted is None:
@@ -702,27 +720,3 @@ def _slow_random_access(total_bytes: int) -> str:
             f"machine's memory ({memory / 1e9:.1f} GB): random sample reads would go to disk"
         )
     return ""
-
-
-@contextlib.contextmanager
-def _only_op_seeds():
-    """Lets `seed=` alone decide the source's order.
-
-    TensorFlow combines an op's seed with the global seed (`tf.random.set_seed`, which
-    `keras.utils.set_random_seed` calls), so the same `seed=` would shuffle differently
-    in a program that set one. While the pipeline is built (eagerly), the global seed is
-    hidden; it is not reset (`tf.random.set_seed` would restart the user's own random
-    sequence).
-    """
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    saved = getattr(ctx, "_seed", None)
-    if saved is None or not tf.executing_eagerly():
-        yield
-        return
-    ctx._seed = None
-    try:
-        yield
-    finally:
-        ctx._seed = saved

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from keras_tfr import _io
+from keras_tfr._seeds import only_op_seeds
 from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, parse_size
 
 __all__ = [
@@ -447,7 +448,7 @@ def from_tfrecords(
     x: str | Sequence[str] | None = None,
     y: str | Sequence[str] | None = None,
     sample_weight: str | None = None,
-    shuffle: bool = False,
+    shuffle: bool = True,
     seed: int | None = None,
     shuffle_memory: int | str = "64MB",
     drop_remainder: bool = False,
@@ -470,8 +471,11 @@ def from_tfrecords(
             named inputs). Default: every feature not in `y` or `sample_weight`.
         y: the target feature, or a list of names; None yields inputs only.
         sample_weight: the name of a per-sample weight feature.
-        shuffle: shuffle file order and records (buffer of `shuffle_memory` bytes).
-        seed: makes the shuffle reproducible.
+        shuffle: shuffle file order and records (buffer of `shuffle_memory` bytes), anew
+            each epoch. Default True, as for `TFRecordSequenceSource`; pass False to read
+            the files in the given order.
+        seed: makes the shuffle reproducible: the same `seed` gives the same order whether
+            or not `keras.utils.set_random_seed` was called.
         shuffle_memory: the shuffle buffer's size in bytes (``"64MB"``).
         drop_remainder: drop the last, partial batch.
         compression: ``None``, ``"GZIP"`` or ``"ZLIB"``: the files' compression.
@@ -489,7 +493,7 @@ def from_tfrecords(
     Example:
         >>> features = {"image": TensorFeature(tf.float32, (28, 28)),
         ...             "label": tf.io.FixedLenFeature([], tf.float32)}
-        >>> train = from_tfrecords("old/*.tfrecord", features, 256, y="label", shuffle=True)
+        >>> train = from_tfrecords("old/*.tfrecord", features, 256, y="label", seed=0)
         >>> model.fit(train, epochs=5)
     """
     import tensorflow as tf
@@ -503,6 +507,10 @@ def from_tfrecords(
         or (batch_size < 1)
     ):
         raise ValueError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise TypeError(f"Expected `shuffle` to be a bool. Received: {shuffle!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+        raise TypeError(f"Expected `seed` to be an int or None. Received: {seed!r}")
     if isinstance(compression, str):
         compression = compression.upper() or None
     if compression not in (None, "GZIP", "ZLIB"):
@@ -531,7 +539,8 @@ def from_tfrecords(
     kept = [(p, c) for p, c in zip(paths, counts) if c]
     files = tf.data.Dataset.from_tensor_slices([p for p, _ in kept])
     if shuffle:
-        files = files.shuffle(len(kept), seed=seed, reshuffle_each_iteration=True)
+        with only_op_seeds():  # the seeds are fixed here, as the op is built
+            files = files.shuffle(len(kept), seed=seed, reshuffle_each_iteration=True)
     cycle = max(1, min(num_parallel_reads or min(8, max(2, os.cpu_count() or 2)), len(kept)))
     records = files.interleave(
         lambda p: tf.data.TFRecordDataset(p, compression or "", buffer_size=_READ_BUFFER),
@@ -544,7 +553,8 @@ def from_tfrecords(
     if shuffle:
         mean_record = max(1, sum(_stat(p)[0] for p, _ in kept) // max(1, total))
         buffer = max(1, min(total, shuffle_bytes // mean_record))
-        records = records.shuffle(buffer, seed=None if seed is None else seed + 1)
+        with only_op_seeds():
+            records = records.shuffle(buffer, seed=None if seed is None else seed + 1)
     finish = finish_features(decode, ragged)
 
     def parse(serialized):
@@ -648,6 +658,7 @@ def convert_tfrecords(
         x=x,
         y=y,
         sample_weight=sample_weight,
+        shuffle=False,  # the new data set keeps the files' order
         compression=compression,
         ragged="ragged",
         cache_counts=cache_counts,

@@ -5,10 +5,12 @@ block, whatever the size of the input: arrays are sliced chunk by chunk, so a me
 an h5py data set larger than RAM converts with flat memory.
 
 Crash safety: shards are written under temporary names (``*.tmp``) and renamed when
-complete; a journal (``.keras-tfr-progress.json``) lists the completed shards; the
-manifest is written last and atomically. An exception inside ``with ArraysToRecords(...)``,
-Ctrl-C or a killed process leaves no manifest, so no reader mistakes the partial data for
-a data set, and ``resume=True`` continues from the last complete shard.
+complete; a journal (``.keras-tfr-progress.json``) lists the completed shards; every
+shard is synced to disk, then the manifest is written last, atomically and synced, so a
+manifest on disk names only shards that are on disk too, after a power loss as well. An
+exception inside ``with ArraysToRecords(...)``, Ctrl-C or a killed process leaves no
+manifest, so no reader mistakes the partial data for a data set, and ``resume=True``
+continues from the last complete shard.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -239,17 +242,22 @@ class ArraysToRecords(keras.callbacks.Callback):
     Args:
         directory: where the data set goes (local path, or a ``gs://``, ``s3://``,
             ``hdfs://`` or ``ram://`` URL). Created if missing.
-        shard_size: target bytes per shard file, e.g. ``"128MB"`` or an int.
+        shard_size: most bytes per shard file, e.g. ``"128MB"`` or an int. A shard holds
+            whole records: when `record_size` is larger, records shrink to fit one shard
+            (at least one sample each); a sample that does not fit is refused. Records of
+            variable-length features differ in size, so their shards may exceed it.
         record_size: target bytes per record (a block of consecutive samples). Larger blocks
             cut per-element overhead when reading; smaller ones shuffle more finely.
-        samples_per_record: fixes the samples per record instead of `record_size`.
+        samples_per_record: fixes the samples per record instead of `record_size` (a
+            record of that many samples must fit in `shard_size`).
         compression: ``None``, ``"GZIP"`` or ``"ZLIB"``.
         overwrite: replace a data set (or an unfinished conversion) in `directory`.
         resume: continue an unfinished conversion from its last complete shard. The
             samples to skip are in `resumed_samples`; `from_arrays` skips them itself.
         expected_samples: total samples, when known: sizes the progress bar.
-        min_shards: split into at least this many shards when `expected_samples` is known
-            (file-based sharding across workers needs several shards per worker).
+        min_shards: split into at least this many shards (when there are that many
+            records; file-based sharding across workers needs several shards per worker).
+            Shards are cut as data arrives, so a value above 1 needs `expected_samples`.
         chunk_size: bytes of input read and converted at a time (bounds memory).
         verbose: 1 shows a `keras.utils.Progbar`, 0 is silent.
         metadata: a JSON-serializable dict stored in the manifest as ``user_metadata``.
@@ -328,6 +336,12 @@ class ArraysToRecords(keras.callbacks.Callback):
         if isinstance(min_shards, bool) or not isinstance(min_shards, int) or min_shards < 1:
             raise ValueError(
                 f"Expected `min_shards` to be a positive int. Received: {min_shards!r}"
+            )
+        if min_shards > 1 and expected_samples is None:
+            raise ValueError(
+                f"Expected `expected_samples` with `min_shards={min_shards}`: shards are cut "
+                "as data arrives, so the writer can split into at least `min_shards` only "
+                "when it knows the total in advance. Received: expected_samples=None"
             )
         if verbose not in (0, 1, 2, True, False):
             raise ValueError(f"Expected `verbose` to be 0, 1 or 2. Received: {verbose!r}")
@@ -414,9 +428,9 @@ class ArraysToRecords(keras.callbacks.Callback):
             raise RuntimeError(f"This writer for {self.directory} is already closed.")
         batch = self._validate(x, y, sample_weight)
         self._open()
-        self._clear_old_once()
         if self._specs is None:
-            self._set_schema(batch)
+            self._set_schema(batch)  # may refuse the sizes: before the old data set goes
+        self._clear_old_once()
         self._append(batch)
 
     def close(self) -> Manifest:
@@ -440,6 +454,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             if self._pending_count:
                 self._flush_pending()
             self._close_shard()
+            self._sync_shards()
             manifest = Manifest(
                 structure=dict(self._structure or {}),
                 features=list(self._specs),
@@ -503,7 +518,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         compression: str | None = None,
         overwrite: bool = False,
         resume: bool = False,
-        min_shards: int = 8,
+        min_shards: int | None = None,
         chunk_size: int | str = DEFAULT_CHUNK_SIZE,
         verbose: int = 1,
         metadata: dict[str, Any] | None = None,
@@ -517,7 +532,11 @@ class ArraysToRecords(keras.callbacks.Callback):
             y: targets (arrays only; an iterable carries its own targets).
             directory: where the data set goes. ``from_arrays(x, "dir")`` also works.
             sample_weight: per-sample weights (arrays only).
-            min_shards: write at least this many shards (when there are enough records).
+            min_shards: write at least this many shards (when there are that many
+                records); default 8 for arrays. An iterable of batches does not tell how
+                many samples it holds, so it is written in shards of `shard_size` and
+                refuses a `min_shards` above 1 (use `ArraysToRecords` with
+                ``expected_samples=``).
             Other arguments: as for `ArraysToRecords`.
 
         Returns:
@@ -550,6 +569,14 @@ class ArraysToRecords(keras.callbacks.Callback):
                     "Expected `y` and `sample_weight` to be None when `x` is an iterable of "
                     "batches (each batch carries its own `(x, y, sample_weight)`)."
                 )
+            if type(min_shards) is int and min_shards > 1:
+                raise ValueError(
+                    f"Expected `min_shards` to be 1 or None when `x` is an iterable of batches: "
+                    "its total is unknown until its end, and shards are cut as data arrives. "
+                    f"Received: min_shards={min_shards}. Pass arrays, or write with "
+                    "`ArraysToRecords(directory, expected_samples=N, min_shards=...)`."
+                )
+            kwargs["min_shards"] = 1 if min_shards is None else min_shards
             with cls(directory, **kwargs) as writer:
                 skip = writer.resumed_samples
                 for item in x:
@@ -565,8 +592,12 @@ class ArraysToRecords(keras.callbacks.Callback):
             assert writer.manifest is not None
             return writer.manifest
         # Validate everything before anything is touched on disk.
+        kwargs["min_shards"] = 8 if min_shards is None else min_shards
+        kwargs["expected_samples"] = 0  # replaced below, once the arrays are checked
         probe = cls(directory, **kwargs)
         batch = probe._validate(x, y, sample_weight)
+        if not resume:  # sizes that cannot work (a resumed conversion keeps its journal's)
+            probe._set_schema(batch)
         kwargs["expected_samples"] = batch.n
         with cls(directory, **kwargs) as writer:
             start = writer.resumed_samples
@@ -798,35 +829,62 @@ class ArraysToRecords(keras.callbacks.Callback):
         )
 
     def _set_schema(self, batch: _Batch) -> None:
-        self._structure = dict(batch.structure)
-        self._specs = list(batch.specs)
-        self._encoder = BlockEncoder(self._specs)
-        sample_bytes = sum(s.sample_bytes for s in self._specs)
-        variable = any(s.kind != "fixed" for s in self._specs)
+        specs = list(batch.specs)
+        encoder = BlockEncoder(specs)
+        sample_bytes = sum(s.sample_bytes for s in specs)
+        variable = any(s.kind != "fixed" for s in specs)
         if variable:  # sized from the first batch's mean sample
             mean = sum(map(_mean_sample_bytes, batch.specs, batch.arrays))
             sample_bytes = max(1, math.ceil(mean))
+
+        def record_bytes(spr: int) -> int:
+            if variable:
+                return spr * sample_bytes + 32 * (1 + 2 * len(specs))
+            return encoder.fixed_layout(spr)[2]
+
+        def on_disk(spr: int) -> int:  # a record and its TFRecord framing
+            return record_bytes(spr) + 16
+
         if self.samples_per_record_arg is not None:
             spr = self.samples_per_record_arg
         else:
             spr = max(1, self.record_size // sample_bytes)
+            if on_disk(spr) > self.shard_size:
+                # A shard holds whole records: records shrink until one fits.
+                framing = on_disk(1) - sample_bytes
+                spr = max(1, (self.shard_size - framing) // sample_bytes)
+                while spr > 1 and on_disk(spr) > self.shard_size:
+                    spr -= 1  # a few steps at most: only varint lengths grow with spr
+        if on_disk(spr) > self.shard_size:
+            if self.samples_per_record_arg is not None and spr > 1:
+                raise ValueError(
+                    f"Expected `shard_size` to hold at least one record of "
+                    f"`samples_per_record={spr}` samples, which takes {on_disk(spr)} bytes on "
+                    f"disk. Received: shard_size={self.shard_size} bytes. Raise `shard_size` "
+                    "or lower `samples_per_record`."
+                )
+            raise ValueError(
+                f"Expected `shard_size` to hold at least one sample: a record of one sample "
+                f"takes {on_disk(1)} bytes on disk ({sample_bytes} bytes of data"
+                f"{' on average' if variable else ''} and {on_disk(1) - sample_bytes} of "
+                f"framing). Received: shard_size={self.shard_size} bytes."
+            )
         if spr * sample_bytes > MAX_RECORD_BYTES:
             raise ValueError(
                 f"A record of {spr} samples of {sample_bytes} bytes would pass the 2 GiB "
                 "protobuf limit: lower `samples_per_record`."
             )
+        self._structure = dict(batch.structure)
+        self._specs = specs
+        self._encoder = encoder
         self._spr = spr
-        if variable:
-            self._record_bytes = spr * sample_bytes + 32 * (1 + 2 * len(self._specs))
-        else:
-            self._record_bytes = len(
-                self._encoder.encode(spr, [b"\0" * (spr * s.sample_bytes) for s in self._specs])
-            )
+        self._record_bytes = record_bytes(spr)
         self._zero_copy = self._can_zero_copy()
         per_shard = max(1, self.shard_size // (self._record_bytes + 16))
         if self.expected_samples:
             total_records = math.ceil(self.expected_samples / spr)
-            per_shard = min(per_shard, max(1, math.ceil(total_records / self.min_shards)))
+            # Rounded down: ceil would give 5 shards of 2 for 10 records and min_shards=8.
+            per_shard = min(per_shard, max(1, total_records // self.min_shards))
         self._records_per_shard = per_shard
 
     def _can_zero_copy(self) -> bool:
@@ -835,11 +893,11 @@ class ArraysToRecords(keras.callbacks.Callback):
 
     def _write_validated(self, batch: _Batch, start: int = 0) -> None:
         self._open()
-        self._clear_old_once()
         if self._specs is None:
-            self._set_schema(batch)
+            self._set_schema(batch)  # may refuse the sizes: before the old data set goes
         else:
             self._check_same_schema(batch.structure, batch.specs)
+        self._clear_old_once()
         self._append(batch, start)
 
     def _append(self, batch: _Batch, start: int = 0) -> None:
@@ -964,6 +1022,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._sink.finish_shard()
         self._shard_writer.close()
         self._shard_writer = None
+        _start_writeback(self._shard_tmp)
         name = _SHARD_FILE.format(len(self._shards))
         final = _io.join(self.directory, name)
         self._shards.append(
@@ -979,6 +1038,35 @@ class ArraysToRecords(keras.callbacks.Callback):
         # is missing (resume checks and rewrites it), never a shard no journal lists.
         self._write_progress()
         _io.rename(self._shard_tmp, final)
+
+    def _sync_shards(self) -> None:
+        """Makes every shard durable before the manifest names it.
+
+        Local files: each shard is fsynced, then the directory (its renames); the manifest
+        is then written with an fsync of its own (`Manifest.save`). All at the end rather
+        than as each shard closes: an fsync waits for all the data written before it (ext4
+        commits in order), so syncing shard by shard would stall the conversion. Write-back
+        of each shard starts, without waiting, as it closes (`_start_writeback`), so the
+        fsyncs here wait only for the rest (``benchmarks/write_fsync.py``). URLs
+        (``gs://``, ``s3://``, ``hdfs://``): `tf.io.gfile` has no fsync; a shard is as
+        durable as its file system makes a closed file (an object store's upload
+        completes when the file is closed).
+        """
+        if _io.is_remote(self.directory):
+            return
+        flags = os.O_RDWR if os.name == "nt" else os.O_RDONLY  # Windows syncs writable fds
+        for shard in self._shards:
+            path = _io.join(self.directory, shard.file)
+            fd = os.open(path, flags)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"Could not sync the shard {path} to disk: {e.strerror}"
+                ) from e
+            finally:
+                os.close(fd)
+        _io._fsync_dir(self.directory)
 
     def _write_progress(self) -> None:
         assert self._specs is not None
@@ -1043,6 +1131,29 @@ def _libc() -> Any:
     import ctypes
 
     return ctypes.CDLL(None, use_errno=True)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(path: str) -> bool:
+    """Starts writing a finished shard to disk without waiting (Linux `sync_file_range`),
+    so that the fsync before the manifest finds less left to write. An advice: errors and
+    other systems are ignored. Returns True when the write-back was started."""
+    if _io.is_remote(path) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            call = _libc().sync_file_range
+            call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            return call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return False
 
 
 def _release_pages(arr: Any, start: int, stop: int) -> None:

@@ -23,7 +23,10 @@ def run(*args, timeout=240):
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("command", ["convert", "info", "verify", "bench", "convert-tfrecords"])
+@pytest.mark.parametrize(
+    "command",
+    ["convert", "info", "verify", "bench", "convert-tfrecords", "parallel", "tune", "serve"],
+)
 def test_help_of_each_subcommand(command):
     r = run(command, "--help")
     assert r.returncode == 0, r.stderr
@@ -76,7 +79,7 @@ def test_convert_info_verify_bench(tmp_path):
     assert main(["verify", d, "--quiet"]) == 0  # in-process: TensorFlow is loaded here
     r = run("bench", d, "--batch-size", "64", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["samples"] == 300
+    assert json.loads(r.stdout)["samples"] == 300 - 64  # after a warm-up batch
 
     # Damage one shard: verify exits 1 and names it.
     shard = sorted(f for f in os.listdir(d) if f.endswith(".tfrecord"))[1]
@@ -164,3 +167,49 @@ def test_convert_tfrecords_command(tmp_path):
     assert "wrote 10 samples" in r.stdout
     r = run("verify", d, "--quiet")
     assert r.returncode == 0
+
+
+def _subparsers():
+    import argparse
+
+    from keras_tfr.cli import build_parser
+
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def test_bench_times_all_but_a_warm_up_batch(make_dataset, small_xy, capsys):
+    d = make_dataset(*small_xy)  # 34 samples
+    for epochs, timed in (("1", 34 - 8), ("3", 3 * 34 - 8)):
+        assert main(["bench", d, "--batch-size", "8", "--epochs", epochs, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert (result["samples"], result["warmup_samples"]) == (timed, 8)
+    help_text = _subparsers()["bench"].format_help()
+    assert "warm-up" in help_text and "not timed" in help_text
+    # One batch in all: nothing would be left to time, so it is timed whole.
+    assert main(["bench", d, "--batch-size", "64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["samples"], result["warmup_samples"]) == (34, 0)
+
+
+def test_cli_doc_lists_every_subcommand_with_its_real_options():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    parsers = _subparsers()
+    rows = re.findall(r"^\| `keras-tfr ([a-z-]+)([^`]*)` \|", doc, flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(parsers)
+    convert_extra = re.search(r"`convert` also takes (.*?)\.\n\n", doc, flags=re.S).group(1)
+    for name, usage in [*rows, ("convert", convert_extra)]:
+        options = set(parsers[name]._option_string_actions)
+        for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", usage):
+            assert flag in options, f"docs/cli.md: `{name} {flag}` is no option of {name}"
+    defaults = {
+        ("convert", "min_shards"): 8,
+        ("tune", "workers"): 2,
+        ("serve", "workers"): 2,
+        ("serve", "port"): 5050,
+    }
+    for (name, dest), value in defaults.items():
+        assert parsers[name].get_default(dest) == value, (name, dest)

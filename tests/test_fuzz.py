@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
-from keras_tfr.errors import ShardError
+from keras_tfr.errors import CorruptRecordError, ShardError
 from keras_tfr.manifest import Manifest
 from keras_tfr.verifier import verify
 
@@ -141,12 +141,12 @@ def _fuzz_case(seed, pristine_dir, x, tmp_path, compression, reader="graph"):
         report = _run(lambda: verify(d))["value"]
         assert set(report.problems) == set(damaged), f"seed {seed}: {report.summary()}"
         return
-    assert isinstance(err, tf.errors.InvalidArgumentError), f"seed {seed}: {err!r}"
+    assert isinstance(err, CorruptRecordError), f"seed {seed}: {err!r}"
     assert not isinstance(err, tf.errors.DataLossError)
     msg = err.message
     if compression is None:
         # The graph reader reads a shard in order, so it stops at the first damaged record;
-        # the direct reader reads records in shuffled order and names whichever it meets.
+        # the mapped reader reads samples in shuffled order and names whichever it meets.
         expected = [
             f"corrupt record in {os.path.join(d, f)} at byte offset {j * frame} "
             for f, first in damaged.items()

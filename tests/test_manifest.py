@@ -39,7 +39,7 @@ def test_valid_manifest_round_trips(valid):
     assert m.to_json() == obj
     loaded = Manifest.load(d)
     assert loaded.to_json() == obj and loaded.directory == d
-    assert (m.total_samples, m.total_records, len(m.shards)) == (40, 10, 3)
+    assert (m.total_samples, m.total_records, len(m.shards)) == (40, 10, 4)
 
 
 def test_save_is_atomic_and_leaves_no_temporary_file(valid, tmp_path):
@@ -101,7 +101,7 @@ def test_shard_paths_cannot_leave_the_directory(valid, name):
         (("record_bytes",), -1, "record_bytes"),
         (("compression",), "LZ4", "compression"),
         (("shards", 0, "samples"), -4, "counts"),
-        (("shards", 0, "samples"), 5, "records` is 4; 5 samples"),
+        (("shards", 0, "samples"), 5, "records` is 3; 5 samples"),
         (("shards", 0, "records"), 99, "records"),
         (("shards", 0, "bytes"), 1 << 55, "counts"),
         (("shards", 0, "bytes"), 10, "cannot hold"),
@@ -129,7 +129,7 @@ def test_only_the_last_shard_may_end_in_a_short_record(valid):
     obj = copy.deepcopy(valid[0])
     obj["shards"][0].update(samples=obj["shards"][0]["samples"] - 1)
     obj.pop("total_samples")
-    with pytest.raises(ManifestError, match=r"shards\[0\]\.samples` 15 is not a multiple of 4"):
+    with pytest.raises(ManifestError, match=r"shards\[0\]\.samples` 11 is not a multiple of 4"):
         _load(obj)
     obj = copy.deepcopy(valid[0])
     last = obj["shards"][-1]
@@ -204,3 +204,23 @@ def test_parse_size(value, expected):
 def test_parse_size_refuses_and_names_the_argument(value):
     with pytest.raises((TypeError, ValueError), match="`shard_size`"):
         parse_size(value, argument="shard_size")
+
+
+def test_checksum_is_the_crc32c_of_the_records_crc32cs(valid):
+    """What docs/reliability.md and the manifest's docstring say the checksum is, computed
+    here from the raw shard files without keras-tfr's own code."""
+    import struct
+
+    import google_crc32c
+
+    obj, d = valid
+    for shard in obj["shards"]:
+        data = Path(d, shard["file"]).read_bytes()
+        crcs, pos = b"", 0
+        while pos < len(data):  # TFRecord framing: length, its CRC, data, its CRC
+            (length,) = struct.unpack_from("<Q", data, pos)
+            record = data[pos + 12 : pos + 12 + length]
+            crcs += struct.pack("<I", google_crc32c.value(record))
+            pos += 16 + length
+        assert shard["checksum"] == f"crc32c:{google_crc32c.value(crcs):08x}"
+        assert shard["checksum"] != f"crc32c:{google_crc32c.value(data):08x}"

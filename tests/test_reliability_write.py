@@ -27,7 +27,7 @@ from keras_tfr.verifier import verify
 LOCK_NAME = ".keras-tfr.lock"
 
 # Small, exact layout: 4 samples per record, 3 records per shard (1000 // (record + 16)).
-LAYOUT = dict(samples_per_record=4, shard_size=1000, min_shards=8, verbose=0)
+LAYOUT = dict(samples_per_record=4, shard_size=1000, verbose=0)
 
 
 def _data(n=200, seed=0):
@@ -418,6 +418,112 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     _write_lock(d, child.pid, socket.gethostname())
     ArraysToRecords.from_arrays(x, y, d, verbose=0)
     assert not os.path.exists(os.path.join(d, LOCK_NAME))
+    assert verify(d).ok
+
+
+_HOLD_EMPTY_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)  # created, no pid written yet
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="flock needs a POSIX system")
+def test_empty_lock_of_a_killed_writer_is_taken_over(tmp_path):
+    d = str(tmp_path / "ds")
+    os.makedirs(d)
+    x, y = _data(20)
+    lock = os.path.join(d, LOCK_NAME)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_EMPTY_LOCK, lock], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert os.path.getsize(lock) == 0
+        with pytest.raises(DatasetLockedError, match="Another writer is writing"):
+            ArraysToRecords.from_arrays(x, y, d, verbose=0)  # its writer still runs
+    finally:
+        child.kill()  # between creating the lock and writing its pid
+        child.wait()
+    assert os.path.getsize(lock) == 0
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    assert not os.path.exists(lock)
+    assert verify(d).ok
+
+
+def test_empty_lock_file_is_taken_over(tmp_path):
+    d = str(tmp_path / "ds")
+    os.makedirs(d)
+    Path(d, LOCK_NAME).touch()  # what a writer killed before writing its pid leaves
+    x, y = _data(20)
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    assert not os.path.exists(os.path.join(d, LOCK_NAME))
+    assert verify(d).ok
+
+
+def test_lock_whose_pid_was_reused_is_taken_over(tmp_path):
+    # The file names a running process (this one), but no one holds it: its writer died
+    # and the pid went to another process.
+    d = str(tmp_path / "ds")
+    os.makedirs(d)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "time": 0, "flock": True}
+    Path(d, LOCK_NAME).write_text(json.dumps(info))
+    x, y = _data(20)
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    assert verify(d).ok
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="flock needs a POSIX system")
+def test_racing_takeovers_of_an_empty_lock_leave_one_holder(tmp_path):
+    import threading
+
+    from keras_tfr import _io
+
+    d = str(tmp_path / "ds")
+    os.makedirs(d)
+    for _ in range(20):
+        Path(d, LOCK_NAME).touch()
+        locks = [_io.DirectoryLock(d) for _ in range(6)]
+        start = threading.Barrier(len(locks))
+        held = []
+
+        def take(lock, start=start, held=held):
+            start.wait()
+            try:
+                lock.acquire()
+                held.append(lock)
+            except DatasetLockedError:
+                pass
+
+        threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(held) == 1
+        assert json.loads(Path(d, LOCK_NAME).read_text())["pid"] == os.getpid()
+        held[0].release()
+        assert not Path(d, LOCK_NAME).exists()
+
+
+def test_without_flock_only_an_old_empty_lock_is_taken_over(tmp_path, monkeypatch):
+    from keras_tfr import _io
+
+    monkeypatch.setattr(_io, "fcntl", None)  # as on Windows
+    d = str(tmp_path / "ds")
+    os.makedirs(d)
+    lock = Path(d, LOCK_NAME)
+    lock.touch()  # just created: its writer may be about to write its pid
+    x, y = _data(20)
+    with pytest.raises(DatasetLockedError, match="Another writer is writing"):
+        ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    old = lock.stat().st_mtime - 2 * _io.DirectoryLock.STALE_EMPTY_S
+    os.utime(lock, (old, old))
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    assert not lock.exists()
     assert verify(d).ok
 
 

@@ -43,7 +43,7 @@ def test_small_data_sets_split_by_sample_with_default_settings(tmp_path, n, spli
 def test_one_sample_cannot_be_split(tmp_path):
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(np.zeros((1, 3), np.float32), np.zeros(1), d, verbose=0)
-    with pytest.raises(ValueError, match="holds no samples"):
+    with pytest.raises(ValueError, match="at least 2 samples"):
         TFRecordSequenceSource(d, 4, seed=0, validation_split=0.5, subset="training")
 
 

@@ -57,7 +57,11 @@ FEATURES = {
 def test_tutorial_layout_streams_bit_for_bit_with_known_length(tmp_path):
     images, labels, _ = _write_tutorial(tmp_path)
     ds = TFRecordSequenceSource.from_tfrecords(
-        str(tmp_path / "train-*.tfrecord"), features=FEATURES, batch_size=8, y="label"
+        str(tmp_path / "train-*.tfrecord"),
+        features=FEATURES,
+        batch_size=8,
+        y="label",
+        shuffle=False,
     )
     assert len(ds) == 6  # 45 / 8, known before the first epoch
     xb = np.concatenate([x.numpy() for x, _ in ds])
@@ -97,15 +101,64 @@ def test_shuffled_epoch_covers_every_sample_once(tmp_path):
     assert not np.array_equal(got, labels)
 
 
+def _labels(ds):
+    return np.concatenate([y.numpy() for _, y in ds]).tolist()
+
+
+def test_shuffles_by_default_as_the_source_does(tmp_path):
+    _, labels, _ = _write_tutorial(tmp_path)
+    pattern = str(tmp_path / "*.tfrecord")
+    got = _labels(from_tfrecords(pattern, FEATURES, 7, y="label", seed=0))
+    assert sorted(got) == sorted(labels.tolist()) and got != labels.tolist()
+    assert _labels(from_tfrecords(pattern, FEATURES, 7, y="label", shuffle=False)) == (
+        labels.tolist()
+    )
+    with pytest.raises(TypeError, match="`shuffle`"):
+        from_tfrecords(pattern, FEATURES, 7, y="label", shuffle="yes")
+
+
+def test_seed_alone_decides_the_order_whatever_set_random_seed_did(tmp_path):
+    import keras
+
+    _write_tutorial(tmp_path)
+    pattern = str(tmp_path / "*.tfrecord")
+
+    def two_epochs(seed):
+        ds = from_tfrecords(
+            pattern, FEATURES, 7, y="label", shuffle=True, seed=seed, shuffle_memory=2000
+        )
+        return _labels(ds), _labels(ds)
+
+    plain = two_epochs(5)
+    assert plain[0] != plain[1], "each epoch reshuffles"
+    try:
+        keras.utils.set_random_seed(123)
+        seeded = two_epochs(5)
+        keras.utils.set_random_seed(7)
+        other_global = two_epochs(5)
+    finally:
+        tf.random.set_seed(None)
+    assert seeded == plain and other_global == plain
+    assert two_epochs(6) != plain
+
+
 def test_variable_length_feature_padded_or_ragged(tmp_path):
     _, _, tokens = _write_tutorial(tmp_path)
     feats = {**FEATURES, "tokens": tf.io.VarLenFeature(tf.int64)}
     rag = from_tfrecords(
-        str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"], y="label", ragged="ragged"
+        str(tmp_path / "*.tfrecord"),
+        feats,
+        10,
+        x=["image", "tokens"],
+        y="label",
+        ragged="ragged",
+        shuffle=False,
     )
     rows = [r.numpy() for x, _ in rag for r in x["tokens"]]
     assert all(np.array_equal(a, b) for a, b in zip(rows, tokens)) and len(rows) == N
-    pad = from_tfrecords(str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"], y="label")
+    pad = from_tfrecords(
+        str(tmp_path / "*.tfrecord"), feats, 10, x=["image", "tokens"], y="label", shuffle=False
+    )
     x, _ = next(iter(pad))
     assert isinstance(x["tokens"], tf.Tensor)
     assert np.array_equal(x["tokens"][0, : len(tokens[0])], tokens[0])
@@ -130,7 +183,9 @@ def test_wrong_tensor_feature_names_the_feature(tmp_path):
 
 def test_unknown_shape_maps_parse_tensor(tmp_path):
     images, _, _ = _write_tutorial(tmp_path)
-    ds = from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.float32)}, 9)
+    ds = from_tfrecords(
+        str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.float32)}, 9, shuffle=False
+    )
     got = np.concatenate([x.numpy() for x in ds])
     assert got.tobytes() == images.tobytes()
 

@@ -183,7 +183,9 @@ class _Region:
             return
         try:
             st = os.fstat(fd)
-            slot = int((self.starts[k + 1] if k + 1 < len(self.starts) else self.total) - self.starts[k])
+            slot = int(
+                (self.starts[k + 1] if k + 1 < len(self.starts) else self.total) - self.starts[k]
+            )
             size = min(int(st.st_size), slot)
             # Anonymous zero pages under the whole slot first: a remapped shard that shrank
             # leaves no stale mapping of the old file past its new end.
@@ -325,7 +327,11 @@ class MappedPlan:
     def _check_record(self, record: int) -> str | None:
         """The problem with one record, or None when it is sound."""
         region = self.region()
-        layout = self.short if (self.short is not None and record == self.total_records - 1) else self.full
+        layout = (
+            self.short
+            if (self.short is not None and record == self.total_records - 1)
+            else self.full
+        )
         k = int(self.shard_of[record])
         start = int(self.index_in_shard[record]) * self.full.frame
         if region.signatures[k] is None:
@@ -425,7 +431,9 @@ class MappedPlan:
         if self.short is not None:
             is_short = records == self.total_records - 1
         outs = []
-        for f, (sb, window, buffers) in enumerate(zip(self.sample_bytes, self.windows, self.buffers)):
+        for f, (sb, window, buffers) in enumerate(
+            zip(self.sample_bytes, self.windows, self.buffers)
+        ):
             offsets = base + self.full.feature_offsets[f] + j * sb
             if self.short is not None and is_short.any():
                 offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]

@@ -154,7 +154,10 @@ class SampleOrder:
             lo, hi = (0, n_val) if subset == "validation" else (n_val, self.total)
         if num_workers is not None and worker_index is not None:
             n = hi - lo
-            lo, hi = lo + n * worker_index // num_workers, lo + n * (worker_index + 1) // num_workers
+            lo, hi = (
+                lo + n * worker_index // num_workers,
+                lo + n * (worker_index + 1) // num_workers,
+            )
         self._lo, self._hi = lo, hi
 
     @property

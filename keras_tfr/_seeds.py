@@ -1,0 +1,41 @@
+"""Seeds of keras-tfr pipelines: `seed=` alone decides their order.
+
+One home for the rule that `TFRecordSequenceSource` and `from_tfrecords` share: the
+global seed that `keras.utils.set_random_seed` sets (through `tf.random.set_seed`) does
+not change which order a given `seed=` yields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["only_op_seeds"]
+
+
+@contextlib.contextmanager
+def only_op_seeds() -> Iterator[None]:
+    """Hides TensorFlow's global seed while a pipeline is built (eagerly).
+
+    TensorFlow combines an op's seed with the global seed (`tf.random.set_seed`, which
+    `keras.utils.set_random_seed` calls), so the same `seed=` would shuffle differently
+    in a program that set one. The global seed is hidden, not reset: `tf.random.set_seed`
+    would restart the user's own random sequence.
+
+    Example:
+        >>> with only_op_seeds():
+        ...     ds = tf.data.Dataset.range(10).shuffle(10, seed=0)
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context  # private: the global seed's only home
+
+    ctx = context.context()
+    saved = getattr(ctx, "_seed", None)
+    if saved is None or not tf.executing_eagerly():
+        yield
+        return
+    ctx._seed = None
+    try:
+        yield
+    finally:
+        ctx._seed = saved
