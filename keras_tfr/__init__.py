@@ -18,6 +18,7 @@ from keras_tfr._version import __version__
 
 __all__ = [
     "ArraysToRecords",
+    "BackupAndRestore",
     "CorruptRecordError",
     "DatasetExistsError",
     "DatasetLockedError",
@@ -39,6 +40,7 @@ __all__ = [
 
 _LAZY = {
     "ArraysToRecords": "keras_tfr.writer",
+    "BackupAndRestore": "keras_tfr.backup",
     "TFRecordSequenceSource": "keras_tfr.source",
     "limit_gpu_memory": "keras_tfr.gpu",
     "verify": "keras_tfr.verifier",
@@ -58,6 +60,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from keras_tfr.backup import BackupAndRestore
     from keras_tfr.distribute import distribute_source, keras_distribution_source
     from keras_tfr.errors import (
         CorruptRecordError,
