@@ -3,9 +3,10 @@
 Each line adds one stage to the one before and reports CPU seconds per GB of shard data
 (process time, all threads; less sensitive to other load on the machine than wall time)
 and the bytes copied per byte read by the stages so far. The difference between two
-lines is the cost of the stage added. First the graph reader (TensorFlow's TFRecord
-reader and tf.data ops), then the direct reader (`keras_tfr._direct`: `os.preadv`,
-hardware CRC-32C, NumPy gathers), each ending with the whole `TFRecordSequenceSource`.
+lines is the cost of the stage added. First block mode's graph reader (TensorFlow's
+TFRecord reader and tf.data ops), then sample mode's memory-mapped reader
+(`keras_tfr.read.mapped`: the order, the CRC checks, the NumPy gathers), each ending with
+the whole `TFRecordSequenceSource`.
 
 Usage::
 
@@ -41,24 +42,25 @@ def cpu_per_gb(ds, total_bytes: int, reps: int = 3) -> tuple[float, float]:
 
 
 class _PythonStage:
-    """An epoch of the direct reader's Python side alone, iterated like a data set."""
+    """An epoch of the mapped reader's Python side alone, iterated like a data set."""
 
-    def __init__(self, directory: str, cut_units: bool):
+    def __init__(self, directory: str, gather: bool):
         # The plan the source itself builds (batch 256, shuffled, seed 0).
-        self.plan = _source(directory, "direct")._direct_plan
-        self.cut_units = cut_units
+        self.plan = _source(directory, "mapped")._mapped_plan
+        self.gather = gather
 
     def __iter__(self):
-        from keras_tfr import _direct
+        from keras_tfr.read import mapped
 
-        epoch = _direct.Epoch(self.plan, 0)
+        epoch = mapped.Epoch(self.plan, 0)
         try:
-            if self.cut_units:
-                for i in range(self.plan.num_units):
+            for i in range(epoch.num_units):
+                if self.gather:
                     yield epoch.unit(i)
-            else:
-                for p in range(epoch._pools_per_pass):
-                    yield epoch._load(p)
+                else:
+                    lo = i * self.plan.unit_rows
+                    ids = self.plan.order.samples(0, lo, lo + self.plan.unit_rows)
+                    yield self.plan.good_samples(ids, 0, i)
         finally:
             epoch.close()
 
@@ -114,9 +116,9 @@ def main(directory: str) -> None:
             .prefetch(auto),
         ),
         ("TFRecordSequenceSource, graph reader", 7, _source(directory, "graph")),
-        ("direct: preadv into pools + CRC-32C + checks", 1, _PythonStage(directory, False)),
-        ("+ gather shuffled units (NumPy take)", 2, _PythonStage(directory, True)),
-        ("TFRecordSequenceSource, direct reader", 2, _source(directory, "direct")),
+        ("mapped: order + CRC-32C checks (first read)", 0, _PythonStage(directory, False)),
+        ("+ gather shuffled units from the map", 1, _PythonStage(directory, True)),
+        ("TFRecordSequenceSource, mapped reader", 1, _source(directory, "mapped")),
     ]
     print(f"{directory}: {total / 1e6:.0f} MB in {len(files)} shards, {m.total_records} records")
     print(f"{'stage':48s} {'copies/byte':>11s} {'CPU s/GB':>9s} {'GB/s wall':>9s}")
