@@ -31,6 +31,7 @@ __all__ = [
     "__version__",
     "convert_tfrecords",
     "distribute_source",
+    "keras_distribution_source",
     "limit_gpu_memory",
     "predict_to_records",
     "verify",
@@ -45,6 +46,7 @@ _LAZY = {
     "TensorFeature": "keras_tfr.tfrecords",
     "convert_tfrecords": "keras_tfr.tfrecords",
     "distribute_source": "keras_tfr.distribute",
+    "keras_distribution_source": "keras_tfr.distribute",
     "Manifest": "keras_tfr.manifest",
     "CorruptRecordError": "keras_tfr.errors",
     "DatasetExistsError": "keras_tfr.errors",
@@ -56,7 +58,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from keras_tfr.distribute import distribute_source
+    from keras_tfr.distribute import distribute_source, keras_distribution_source
     from keras_tfr.errors import (
         CorruptRecordError,
         DatasetExistsError,

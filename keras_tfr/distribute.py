@@ -9,7 +9,12 @@ Three engines of TensorFlow's own, no new machinery:
   worker gets the same step count, so the collectives of one step never wait for a worker
   that already finished its epoch. `distribute_source` does this through
   `tf.distribute.Strategy.distribute_datasets_from_function`, with the global batch the
-  user asked for split evenly across replicas.
+  user asked for split evenly across replicas. Given a MultiWorkerMirroredStrategy, it
+  also installs the workaround Keras 3's TensorFlow trainer needs there
+  (`keras_tfr._compat_dist`).
+* **Many processes, one model, Keras' own way** (``keras.distribution`` on the JAX
+  backend): `keras_distribution_source` builds the same kind of share for each process,
+  with the per-process batch and the same batch size on every process at every step.
 * **The tf.data service** (`tf.data.experimental.service`): ``service="grpc://host:port"``
   on the source sends reading and decoding to a dispatcher and its workers;
   `start_service` and ``keras-tfr serve`` start such a cluster.
@@ -36,6 +41,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from keras_tfr import _compat_dist
+
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
     from types import FrameType
 
@@ -43,7 +50,7 @@ if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
 
     from keras_tfr.source import TFRecordSequenceSource
 
-__all__ = ["ServiceCluster", "distribute_source", "start_service"]
+__all__ = ["ServiceCluster", "distribute_source", "keras_distribution_source", "start_service"]
 
 SERVICE_MODES = ("distributed_epoch", "parallel_epochs")
 
@@ -150,6 +157,11 @@ def distribute_source(
         **source_kwargs: other `TFRecordSequenceSource` arguments (``shuffle``, ``seed``,
             ``validation_split``, ``subset``, ...), the same on every worker.
 
+    Under `tf.distribute.MultiWorkerMirroredStrategy` with a Keras that needs it, this
+    also wraps two functions of Keras' TensorFlow trainer for the process
+    (`keras_tfr._compat_dist`), so that ``fit`` and ``evaluate`` work with the model
+    built in ``strategy.scope()`` and no other change.
+
     Returns:
         A `tf.distribute.DistributedDataset` that ``model.fit`` takes as it is.
 
@@ -165,18 +177,20 @@ def distribute_source(
     from keras_tfr.manifest import Manifest
     from keras_tfr.source import TFRecordSequenceSource
 
-    for name in ("num_workers", "worker_index", "batch_size", "manifest"):
-        if name in source_kwargs:
-            raise TypeError(f"`distribute_source` sets `{name}` itself; do not pass it.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-        raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
+    _check_helper_args("distribute_source", batch_size, source_kwargs)
+    if _compat_dist.multi_worker_fix_applies(strategy):
+        # Keras' TensorFlow trainer cannot `fit` under MultiWorkerMirroredStrategy without
+        # it (keras_tfr/_compat_dist.py names the bugs); off once Keras is fixed.
+        _compat_dist.install_multi_worker_fix()
     replicas = strategy.num_replicas_in_sync
     if batch_size < replicas or batch_size % replicas:
         raise ValueError(
             f"Expected the global `batch_size` to be a multiple of the {replicas} replicas "
             f"in sync, so that every replica gets the same batch. Received: {batch_size}"
         )
-    manifest = Manifest.load(str(directory))
+    # Loaded once for every pipeline of this worker; the shard check (one stat per shard)
+    # only when the source would do it.
+    manifest = Manifest.load(str(directory), check_files=source_kwargs.get("check_files", True))
     workers = _num_workers(strategy)
     per_replica_pipelines = replicas > workers
     mode = (
@@ -226,6 +240,157 @@ def _global_replica_id(strategy: tf.distribute.Strategy, ctx: tf.distribute.Inpu
         ]
         task = order.index((resolver.task_type, resolver.task_id))
     return task * local + ctx.input_pipeline_id
+
+
+def _check_helper_args(helper: str, batch_size: Any, source_kwargs: dict) -> None:
+    for name in ("num_workers", "worker_index", "batch_size", "manifest"):
+        if name in source_kwargs:
+            raise TypeError(f"`{helper}` sets `{name}` itself; do not pass it.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"Expected `batch_size` to be a positive int. Received: {batch_size}")
+
+
+# ----------------------------------------------------------------- keras.distribution
+
+
+def keras_distribution_source(
+    directory: str, batch_size: int, *, distribution: Any = None, **source_kwargs: Any
+):
+    """This process's share of a data set, for ``keras.distribution`` over many processes.
+
+    Keras 3's own multi-process input path (``DataParallel(auto_shard_dataset=True)``, the
+    default) rebatches the dataset it is given to the per-process batch and keeps every
+    N-th batch (`tf.data.Dataset.shard`): every process reads the whole data set and
+    throws away all but 1/N of it. So create the distribution with
+    ``auto_shard_dataset=False`` (Keras' own switch for "the dataset is already sharded
+    across hosts") and give ``fit`` this source instead. In each process it is a
+    `TFRecordSequenceSource` over a disjoint, balanced share of the samples
+    (``num_workers`` = the data shards, ``worker_index`` = this process's shard), with the
+    per-process batch ``batch_size / data shards``, so that:
+
+    * each process reads only its own share, and together they see every sample once
+      per epoch (but see the last point);
+    * every process runs the same number of steps, and the global batch of a step is
+      ``batch_size`` (the last step of an epoch may be smaller, the same on every process);
+    * every process hands Keras a batch of the same size at every step: JAX builds each
+      global batch from the processes' local ones (`jax.make_array_from_process_local_data`)
+      and, when their sizes differ, computes a wrong step without an error. When the
+      shares differ in size, each process therefore stops after the smallest share
+      (rounded down to a multiple of its local devices): the few samples left over are
+      not seen that epoch (with ``shuffle=True``, different ones each epoch).
+
+    The shares' sizes are gathered across processes once, when the source is built
+    (`jax.experimental.multihost_utils.process_allgather`), so build it on every process.
+    Pass the validation data the same way (``subset="validation"``).
+
+    Args:
+        directory: the data set's directory (local or a `tf.io.gfile` URL).
+        batch_size: the global batch size; must divide by the number of model replicas.
+        distribution: a `keras.distribution.Distribution`; default: the one set with
+            `keras.distribution.set_distribution`. With none, a plain
+            `TFRecordSequenceSource` over all the data is returned.
+        **source_kwargs: other `TFRecordSequenceSource` arguments (``shuffle``, ``seed``,
+            ``validation_split``, ``subset``, ...), the same on every process.
+
+    Returns:
+        A `tf.data.Dataset` of this process's batches, with a known step count.
+
+    Example:
+        >>> keras.distribution.initialize()  # KERAS_DISTRIBUTION_* environment variables
+        >>> keras.distribution.set_distribution(
+        ...     keras.distribution.DataParallel(auto_shard_dataset=False))
+        >>> model = make_model()
+        >>> train = keras_distribution_source("gs://bucket/train", 256, shuffle=True, seed=0)
+        >>> model.fit(train, epochs=5)
+    """
+    from keras_tfr.manifest import Manifest
+    from keras_tfr.source import TFRecordSequenceSource
+
+    _check_helper_args("keras_distribution_source", batch_size, source_kwargs)
+    if distribution is None:
+        import keras
+
+        distribution = keras.distribution.distribution()
+    if distribution is None:
+        return TFRecordSequenceSource(directory, batch_size=batch_size, **source_kwargs)
+    processes = int(distribution.num_processes)
+    replicas = int(distribution.num_model_replicas)
+    if processes > 1 and distribution.auto_shard_dataset:
+        raise ValueError(
+            "Expected a distribution created with `auto_shard_dataset=False`, e.g. "
+            "`keras.distribution.DataParallel(auto_shard_dataset=False)`: this source already "
+            "holds only this process's share, and Keras' auto-sharding would rebatch and "
+            f"shard it again. Received: {distribution!r} with auto_shard_dataset=True"
+        )
+    if batch_size % replicas:
+        raise ValueError(
+            f"Expected the global `batch_size` to be a multiple of the {replicas} model "
+            f"replicas, so that every replica gets the same batch. Received: {batch_size}"
+        )
+    # Keras' own rule (`Distribution.data_shard_id`): one data shard per process while
+    # every process holds whole replicas; processes of one replica share a shard.
+    shards = min(processes, replicas)
+    local_replicas = max(1, replicas // processes)
+    per_process = batch_size // shards
+    if shards > 1:
+        share = TFRecordSequenceSource(
+            directory,
+            batch_size=per_process,
+            num_workers=shards,
+            worker_index=int(distribution.data_shard_id),
+            manifest=Manifest.load(
+                str(directory), check_files=source_kwargs.get("check_files", True)
+            ),
+            **source_kwargs,
+        )
+    else:
+        share = TFRecordSequenceSource(directory, batch_size=per_process, **source_kwargs)
+    counts = _gather_counts(share.num_samples, processes)
+    samples = min(counts) - min(counts) % local_replicas
+    drop_remainder = bool(source_kwargs.get("drop_remainder", False))
+    steps = samples // per_process if drop_remainder else math.ceil(samples / per_process)
+    if steps == 0:
+        raise ValueError(
+            f"`batch_size={batch_size}` leaves no batch for a process: the smallest share "
+            f"holds {min(counts)} samples, the per-process batch is {per_process}."
+        )
+    if samples == share.num_samples and steps == len(share):
+        return share
+    return first_samples(share, samples, per_process, steps)
+
+
+def first_samples(batches, samples: int, batch_size: int, steps: int):
+    """The first ``steps`` batches of ``batches``, holding its first ``samples`` samples.
+
+    ``batches`` yields full batches of ``batch_size`` (then a partial one, or empty
+    ones): only the last batch kept is cut, so this costs one slice per epoch.
+    """
+    import tensorflow as tf
+
+    batches = batches.take(steps)
+    last = samples - (steps - 1) * batch_size
+    if last < batch_size:
+
+        def cut(step, batch):
+            rows = tf.where(step == steps - 1, last, batch_size)
+            return tf.nest.map_structure(lambda t: t[:rows], batch)
+
+        batches = batches.enumerate().map(cut)
+    return batches.apply(tf.data.experimental.assert_cardinality(steps))
+
+
+def _gather_counts(count: int, processes: int) -> list[int]:
+    """Every process's ``count``, in process order (a collective: call it everywhere)."""
+    if processes == 1:
+        return [int(count)]
+    from jax.experimental import multihost_utils
+
+    # JAX computes in 32 bits by default: send a count of up to 2**62 as two halves.
+    halves = np.array([count >> 31, count & (2**31 - 1)], dtype=np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(halves)).reshape(-1, 2)
+    return [(int(hi) << 31) | int(lo) for hi, lo in gathered]
 
 
 # ----------------------------------------------------------------- tf.data service

@@ -51,18 +51,29 @@ class ShardError(KerasTFRError, OSError):
 
 
 class CorruptRecordError(KerasTFRError, OSError):
-    """A record failed its CRC or could not be decoded; names the file and the offset.
+    """A record failed its CRC or layout check, or its file is cut short or gone.
+
+    The one type to catch around `fit`, `evaluate`, `predict` and plain iteration of a
+    `TFRecordSequenceSource`, whichever reader found the damage (TensorFlow reports it
+    as one of its own error types; keras-tfr turns it into this one, the TensorFlow
+    error kept as ``__cause__``). ``file`` and ``offset`` name where, when known;
+    ``message`` is the text, as on TensorFlow's errors.
 
     Example:
-        >>> e = CorruptRecordError("bad CRC", file="data/train/shard-00000.tfrecord", offset=4096)
-        >>> e.file, e.offset
-        ('data/train/shard-00000.tfrecord', 4096)
+        >>> try:
+        ...     model.fit(train, epochs=3)
+        ... except CorruptRecordError as e:
+        ...     print("damaged:", e.file, e.offset)
     """
 
     def __init__(self, message: str, *, file: str | None = None, offset: int | None = None):
         super().__init__(message)
+        self.message = message
         self.file = file
         self.offset = offset
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class IncompleteDatasetError(ManifestError):

@@ -20,6 +20,15 @@ cap a process without code changes: ``import keras_tfr`` applies them (this is w
 The CUDA context and the cuDNN/cuBLAS handles take memory on top of every limit here
 (roughly 0.3-1 GB per process, depending on the GPU and the libraries), so leave that
 much per process when you split a GPU.
+
+Under the JAX and torch backends the data still flows through tf.data, so TensorFlow runs
+in the same process, and TensorFlow reserves most of a GPU's memory as soon as it starts
+on it. `keep_tensorflow_off_gpus` hides the GPUs from TensorFlow there (the remedy the
+JAX docs give for tf.data next to JAX: ``tf.config.set_visible_devices([], "GPU")``);
+keras-tfr calls it before it runs TensorFlow, and `limit_gpu_memory` calls it too, so
+TensorFlow's share of a GPU is zero and the cap is the backend's alone. The environment
+variable ``KERAS_TFR_TF_GPU=1`` lets TensorFlow keep its GPUs. With the TensorFlow backend
+nothing is hidden: TensorFlow trains the model there.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -38,13 +49,17 @@ from keras_tfr.errors import KerasTFRError
 __all__ = [
     "ENV_FRACTION",
     "ENV_MEGABYTES",
+    "ENV_TF_GPU",
     "GpuMemoryError",
     "GpuMemoryLimit",
+    "TensorFlowGpuWarning",
+    "keep_tensorflow_off_gpus",
     "limit_gpu_memory",
 ]
 
 ENV_MEGABYTES = "KERAS_TFR_GPU_MEMORY_MB"
 ENV_FRACTION = "KERAS_TFR_GPU_MEMORY_FRACTION"
+ENV_TF_GPU = "KERAS_TFR_TF_GPU"
 
 _MIB = 1 << 20
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -77,6 +92,9 @@ class GpuMemoryLimit:
         growth: whether memory is taken on demand instead of reserved up front.
         devices: names of the capped GPUs (``["GPU:0"]``); empty when there is no GPU.
         total_mb: each capped GPU's total memory in MiB where the driver reported it.
+        tensorflow_gpus: what `keep_tensorflow_off_gpus` did for this process
+            (``"hidden"`` under JAX or torch: TensorFlow's share of the GPUs is zero;
+            ``"tensorflow-backend"`` with the TensorFlow backend).
     """
 
     def __init__(
@@ -103,6 +121,9 @@ class GpuMemoryLimit:
             )
         self._state: Any = None
         self._recorded_peak: float | None = None
+        # Under JAX or torch, TensorFlow (the data pipeline) must take no GPU memory, or
+        # the cap below is not the process's budget; with TensorFlow this changes nothing.
+        self.tensorflow_gpus = keep_tensorflow_off_gpus()
         self._apply()
 
     # -- applying and reporting ---------------------------------------------------------
@@ -135,14 +156,18 @@ class GpuMemoryLimit:
 
     def report(self) -> str:
         """A one-line summary: backend, devices, limit, peak and device total."""
+        tensorflow = (
+            "" if self.backend == "tensorflow" else f"; TensorFlow GPUs: {self.tensorflow_gpus}"
+        )
         if not self.devices:
-            return f"limit_gpu_memory: no GPU ({self.backend}); no limit"
+            return f"limit_gpu_memory: no GPU ({self.backend}); no limit{tensorflow}"
         limit = "growth" if self.limit_mb is None else f"{self.limit_mb} MiB"
         peak = self.peak_mb
         total = ", ".join("?" if t is None else str(t) for t in self.total_mb)
         return (
             f"limit_gpu_memory: {self.backend} on {', '.join(self.devices)}: limit {limit}, "
             f"peak {'?' if peak is None else f'{peak:.0f} MiB'}, device total {total} MiB"
+            f"{tensorflow}"
         )
 
     # -- context manager and decorator ---------------------------------------------------
@@ -215,6 +240,10 @@ def limit_gpu_memory(
     - torch: ``torch.cuda.set_per_process_memory_fraction`` on each chosen GPU, restored
       to its previous value when the ``with`` block ends. torch always takes memory on
       demand, so ``growth=True`` changes nothing.
+    - JAX and torch: TensorFlow, which runs the data pipeline, gets no GPU at all
+      (`keep_tensorflow_off_gpus`; it imports TensorFlow when installed): TensorFlow's
+      share is zero, so the cap is the backend's whole budget. ``KERAS_TFR_TF_GPU=1``
+      keeps TensorFlow's GPUs (then TensorFlow's memory comes on top of the cap).
 
     With no GPU it does nothing and logs one line, so the same script runs on a laptop;
     then `GpuMemoryLimit.devices` is empty and `GpuMemoryLimit.peak_mb` is ``None``.
@@ -379,6 +408,146 @@ def _keras_backend() -> str:
     except ImportError:  # a machine with JAX or torch but no Keras: the usual variable
         return os.environ.get("KERAS_BACKEND", "tensorflow")
     return keras.config.backend()
+
+
+# -- TensorFlow off the GPUs under the other backends -------------------------------------
+
+# What `keep_tensorflow_off_gpus` did, decided once per process (None: not yet).
+_TF_GPUS: str | None = None
+_TF_GPUS_LOCK = threading.Lock()
+
+
+class TensorFlowGpuWarning(UserWarning):
+    """TensorFlow started on the GPUs before keras-tfr could hide them (JAX/torch backend)."""
+
+
+def keep_tensorflow_off_gpus() -> str:
+    """Hides the GPUs from TensorFlow when Keras runs on JAX or torch.
+
+    keras-tfr reads data with tf.data, so TensorFlow runs in the training process under
+    every Keras backend. When TensorFlow starts on a GPU it reserves most of that GPU's
+    memory, and the JAX or torch model beside it then runs out. Under a backend other
+    than TensorFlow this calls ``tf.config.set_visible_devices([], "GPU")``, the usual
+    remedy for tf.data next to JAX, before TensorFlow starts: the pipeline runs on the
+    CPU (where tf.data runs anyway) and TensorFlow takes no GPU memory. With the
+    TensorFlow backend it changes nothing: TensorFlow trains the model there.
+
+    keras-tfr calls it where it starts TensorFlow's runtime (creating a
+    `TFRecordSequenceSource`, reading TFRecord files with ``from_tfrecords`` or
+    ``convert_tfrecords``) and in `limit_gpu_memory`; writing, ``verify`` and the tf.data
+    service servers do not start that runtime. Call it yourself at the top of a program
+    that runs TensorFlow operations of its own before that. The environment variable
+    ``KERAS_TFR_TF_GPU=1`` (read at the first call) lets TensorFlow keep its GPUs under
+    JAX and torch.
+
+    It decides once per process: later calls return the first answer at once. If
+    TensorFlow already started with its GPUs, it cannot hide them any more; the first
+    call then warns once (`TensorFlowGpuWarning`) and says how to fix the call order.
+
+    Returns:
+        What it did, one of:
+
+        - ``"hidden"``: TensorFlow's GPUs are hidden now.
+        - ``"already-hidden"``: TensorFlow saw GPUs, but none was visible to it any more
+          (e.g. the program called ``set_visible_devices`` itself).
+        - ``"no-gpu"``: TensorFlow sees no GPU; nothing to hide.
+        - ``"no-tensorflow"``: TensorFlow is not installed.
+        - ``"tensorflow-backend"``: the Keras backend is TensorFlow; nothing changed.
+        - ``"opted-out"``: ``KERAS_TFR_TF_GPU=1``; nothing changed.
+        - ``"too-late"``: TensorFlow had already started with its GPUs (warned).
+
+    Raises:
+        ValueError: ``KERAS_TFR_TF_GPU`` is neither ``1``/``true`` nor ``0``/``false``.
+
+    Example:
+
+    ```python
+    import os
+    os.environ["KERAS_BACKEND"] = "jax"
+
+    from keras_tfr.gpu import keep_tensorflow_off_gpus
+
+    keep_tensorflow_off_gpus()  # "hidden" on a GPU machine, before any TensorFlow op
+    import tensorflow as tf
+    ```
+    """
+    global _TF_GPUS
+    decided = _TF_GPUS
+    if decided is not None:  # the common case: one global read, no import
+        return decided
+    with _TF_GPUS_LOCK:
+        if _TF_GPUS is None:
+            backend = _keras_backend()
+            result, message = _decide_tensorflow_gpus(backend)
+            if message is not None:
+                warnings.warn(message, TensorFlowGpuWarning, stacklevel=2)
+            _TF_GPUS = result
+        return _TF_GPUS
+
+
+def _tensorflow_gpu_opt_out() -> bool:
+    """``KERAS_TFR_TF_GPU``: true lets TensorFlow keep its GPUs under JAX and torch."""
+    text = os.environ.get(ENV_TF_GPU, "").strip().lower()
+    if text in ("", "0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise ValueError(
+        f"Expected the environment variable {ENV_TF_GPU} to be 1 (TensorFlow keeps its "
+        f"GPUs) or 0 (the default: hidden under JAX and torch). "
+        f"Received: {os.environ[ENV_TF_GPU]!r}"
+    )
+
+
+def _decide_tensorflow_gpus(backend: str) -> tuple[str, str | None]:
+    """``(what was done, a warning to give or None)`` for this Keras backend."""
+    if backend == "tensorflow":
+        return "tensorflow-backend", None  # never touch the training framework's devices
+    if _tensorflow_gpu_opt_out():
+        return "opted-out", None
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return "no-tensorflow", None
+    return _hide_tensorflow_gpus(tf.config, backend)
+
+
+def _hide_tensorflow_gpus(config: Any, backend: str) -> tuple[str, str | None]:
+    """Hides the GPUs through `config` (``tf.config``); pure apart from `config`.
+
+    ``list_physical_devices`` and ``get_visible_devices`` do not start TensorFlow's
+    runtime; ``set_visible_devices`` refuses a change once it started.
+    """
+    gpus = config.list_physical_devices("GPU")
+    if not gpus:
+        return "no-gpu", None
+    visible = config.get_visible_devices("GPU")
+    if not visible:
+        return "already-hidden", None
+    try:
+        config.set_visible_devices([], "GPU")
+    except RuntimeError as e:
+        names = [getattr(d, "name", str(d)) for d in visible]
+        return "too-late", (
+            f"keras-tfr could not hide the GPUs from TensorFlow: TensorFlow already started "
+            f"on {names} in this process ({e}), so it holds GPU memory that the Keras "
+            f"{_BACKEND_NAMES.get(backend, backend)} backend now lacks (TensorFlow reserves "
+            "most of a GPU's memory when it starts on it). Fix the call order: create the "
+            "TFRecordSequenceSource, or call `limit_gpu_memory(...)` or "
+            "`keras_tfr.gpu.keep_tensorflow_off_gpus()`, before any TensorFlow tensor, "
+            "operation or tf.data pipeline of your own; or call "
+            "`tf.config.set_visible_devices([], 'GPU')` right after `import tensorflow`. "
+            f"Set {ENV_TF_GPU}=1 if TensorFlow is meant to use the GPUs; that also silences "
+            "this warning."
+        )
+    logger.info(
+        "keras-tfr: hid %d GPU(s) from TensorFlow: Keras trains on %s, and the tf.data "
+        "pipeline runs on the CPU (%s=1 keeps them).",
+        len(visible),
+        _BACKEND_NAMES.get(backend, backend),
+        ENV_TF_GPU,
+    )
+    return "hidden", None
 
 
 def _cuda_device_totals_mb() -> list[int] | None:

@@ -1,69 +1,54 @@
 """`TFRecordSequenceSource`: a data set's shards streamed into `fit`, `evaluate`, `predict`.
 
 It is a `tf.data.Dataset` (built like TensorFlow's own `TFRecordDatasetV2`: the pipeline's
-variant tensor is handed to ``Dataset.__init__``), so the whole read path runs in
-tf.data's C++ runtime and Keras takes it as it takes any data set, with the TensorFlow,
-JAX and torch backends alike.
+variant tensor is handed to ``Dataset.__init__``), so Keras takes it as it takes any data
+set, with the TensorFlow, JAX and torch backends alike, and its step count is known
+before the first epoch.
 
-Two read paths give the same batches, checks and step counts:
+This module only turns options into a plan and a plan into a pipeline; the parts live in
+`keras_tfr.read`:
 
-* the **direct reader** (`keras_tfr._direct`), used for uncompressed data sets of
-  fixed-size features on a local file system: records are read with `os.preadv` straight
-  into per-feature pools, checked with hardware CRC-32C and gathered into batches with
-  NumPy (a third to a fifth of the CPU per byte of the graph path);
-* the **graph reader** below, used for everything else (GZIP/ZLIB shards, variable-length
-  features, `gs://` and other `tf.io.gfile` URLs, the tf.data service, platforms without
-  `os.preadv`), or everywhere with the environment variable ``KERAS_TFR_READER=graph``.
-
-The graph pipeline, stage by stage (each stage works on records, i.e. blocks of samples,
-or on pools of blocks, never on single samples, so the per-element overhead of tf.data is
-paid once per block):
-
-1. shard list from the manifest (shuffled each epoch when ``shuffle=True``);
-2. parallel interleave of `TFRecordDataset` readers, one per shard; a scan counts records
-   and byte offsets so that a damaged record is reported with its file and offset;
-3. the validation split keeps or drops whole records (seeded, disjoint, complete);
-4. shuffle: a buffer of records sized in bytes (``shuffle_memory``);
-5. pools of records are parsed with one batched `parse_example`, decoded with one
-   `decode_raw` and a zero-copy `bitcast` per feature, and permuted inside the pool;
-6. `rebatch` to ``batch_size`` without going through single samples; prefetch;
-7. the step count is asserted from the manifest, so Keras knows it before epoch 1.
+* `keras_tfr.read.options`: every argument, checked once (a frozen dataclass);
+* `keras_tfr.read.order`: which samples an epoch reads, in which order (split, shares,
+  shuffle), as a pure function of the seed and the epoch number;
+* `keras_tfr.read.mapped`: sample mode's reader (memory-mapped shards, CRC-32C checked
+  in place, one copy per byte);
+* `keras_tfr.read.graph`: block mode's reader (tf.data's `TFRecordDataset`, for remote,
+  compressed or variable-length data and the tf.data service).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import re
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.data.ops import iterator_ops
 
 from keras_tfr import distribute as _distribute
-from keras_tfr.manifest import Manifest, parse_size
-from keras_tfr.schema import (
-    COUNT_KEY,
-    FeatureSpec,
-    check_host_byte_order,
-    tf_bytes_to_feature,
-    tf_decode_feature,
-    tf_decode_variable,
-)
+from keras_tfr.errors import CorruptRecordError
+from keras_tfr.format import framing
+from keras_tfr.manifest import Manifest
+from keras_tfr.read import order as _order
+from keras_tfr.read.options import DEFAULT_SHUFFLE_MEMORY, SourceOptions
+from keras_tfr.schema import FeatureSpec, check_host_byte_order, tf_bytes_to_feature
 
 __all__ = ["TFRecordSequenceSource"]
 
 log = logging.getLogger("keras_tfr")
 
-DEFAULT_SHUFFLE_MEMORY = "64MB"
 _POOL_BYTES = 16 << 20
-_READ_BUFFER = 1 << 20
-_CORRUPT_HINT = (
-    "the record failed its TFRecord CRC check, or the file is truncated or unreadable; "
-    "run `keras-tfr verify` on the data set"
-)
+_READERS = ("auto", "mapped", "direct", "graph")  # "direct": the old name of "mapped"
+_CORRUPT = re.compile(r"keras-tfr: corrupt record[^\n]*")
+_CORRUPT_AT = re.compile(r"in (.+?) at byte offset (\d+)")
 
 
 class TFRecordSequenceSource(tf.data.Dataset):
@@ -73,46 +58,52 @@ class TFRecordSequenceSource(tf.data.Dataset):
         directory: the data set's directory (written by `ArraysToRecords`); local or any
             `tf.io.gfile` URL (``gs://``, ``s3://``, ``hdfs://``, ``ram://``).
         batch_size: samples per batch.
-        shuffle: shuffle records and the samples inside pools of records, anew each
-            epoch (direct reader: a permutation of all records, read in pools of a quarter
-            of ``shuffle_memory``; graph reader: shard order, a buffer of records, pools).
-            Default True, as in Keras' own ``*_dataset_from_directory`` utilities; pass
-            False to read in written order.
-        seed: makes shuffling and the validation split reproducible. Required with
-            ``validation_split``, and the same for both subsets.
+        shuffle: a new order every epoch, as ``fit(x, y, shuffle=True)`` (default True, as
+            in Keras' ``*_dataset_from_directory`` utilities; False reads in written order).
+            What is shuffled depends on ``access``: single samples (sample mode) or
+            records, then samples inside pools of records (block mode).
+        seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
+            function of ``(seed, e)`` alone. Required with ``validation_split``, and the
+            same for both subsets.
         drop_remainder: drop the last, partial batch.
-        validation_split: fraction (0 to 1) of the data reserved for validation; whole
-            records are assigned, so the two subsets are disjoint and together complete.
+        validation_split: fraction (0 to 1) of the data reserved for validation. Sample
+            mode: ``int(validation_split * n)`` samples (at least one) drawn across the
+            whole data set; block mode: whole records. The subsets are disjoint and
+            together complete.
         subset: ``"training"`` or ``"validation"``; required with ``validation_split``.
-        shuffle_memory: the shuffle's memory budget in bytes (``"64MB"`` or an int).
-        on_corrupt: ``"raise"`` (default) stops on a damaged record with its file and byte
-            offset; ``"skip"`` logs it, drops it (with the graph reader the rest of that
-            shard goes too: TensorFlow's reader cannot resume inside a shard), and fills
-            the epoch from the next pass so that the step count stays the one Keras was
-            given.
-        max_corrupt_records: with ``on_corrupt="skip"``, stop with an error once more than
-            this many records were dropped in this process.
-        num_parallel_reads: reader threads (direct reader, default 2-4) or shards read
-            at once (graph reader, default up to 8).
-        deterministic: element order reproducible across runs; default True unless
-            ``shuffle=True`` without a ``seed``.
+        access: ``"samples"`` reads single samples at random through memory-mapped
+            shards (local, uncompressed, fixed-size features); ``"blocks"`` reads whole
+            records in sequence (remote storage, compressed shards, variable-length
+            features, the tf.data service, spinning disks, data much larger than memory).
+            ``"auto"`` (default) takes samples where they can be read and blocks
+            elsewhere; `access` tells which was taken, and the log says why.
+        verify: sample mode: ``"first_read"`` (default) checks each record's CRC-32C and
+            layout the first time this source reads it, and again when its shard changes
+            on disk; ``"every_epoch"`` checks every record again every epoch. Block mode
+            checks every record as it is read, every epoch.
+        shuffle_memory: block mode's shuffle budget in bytes (``"64MB"`` or an int).
+        on_corrupt: ``"raise"`` (default) stops at a damaged record with a
+            `CorruptRecordError` naming its file and byte offset; ``"skip"`` logs it, drops
+            it and fills the epoch with other samples, so the step count stays the one
+            Keras was given (block mode drops the rest of that shard: TensorFlow's reader
+            cannot resume inside a shard).
+        max_corrupt_records: with ``on_corrupt="skip"``, stop with a `CorruptRecordError`
+            once more than this many records were dropped.
+        num_parallel_reads: reader threads (sample mode, default 2-4) or shards read at
+            once (block mode, default up to 8).
+        deterministic: block mode: element order reproducible across runs; default True
+            unless ``shuffle=True`` without a ``seed``. Sample mode is always ordered.
         check_files: check at construction that every shard exists with its size.
         ragged: for variable-length features: ``"pad"`` (default) pads each batch with
             zeros to its longest sample; ``"ragged"`` yields `tf.RaggedTensor` batches.
         decode: ``{feature key: fn}``: a TensorFlow function applied to each sample of
-            that feature inside the pipeline, e.g. ``{"x": tf.io.decode_png}`` for a
-            ``bytes`` feature of PNG files. Its outputs must share one shape within a
-            batch (resize inside `fn` when images differ in size).
-        num_workers, worker_index: read only this worker's share of the records (a
-            disjoint, balanced run of shards) with the same step count on every worker;
-            see `keras_tfr.distribute_source` for `tf.distribute` strategies.
-        service: ``"grpc://host:port"`` of a tf.data service dispatcher: reading and
-            decoding run on its workers (`keras-tfr serve` starts some).
-        service_mode: ``"distributed_epoch"`` (each sample once per epoch across the
-            service's workers) or ``"parallel_epochs"`` (each worker sends a full epoch).
+            that feature, e.g. ``{"x": tf.io.decode_png}`` for a ``bytes`` feature.
+        num_workers, worker_index: read only this worker's share (disjoint, balanced, the
+            same step count on every worker); see `keras_tfr.distribute_source`.
+        service: ``"grpc://host:port"`` of a tf.data service dispatcher (block mode).
+        service_mode: ``"distributed_epoch"`` or ``"parallel_epochs"``.
         service_job_name: share one service job between several trainers.
-        manifest: a `Manifest` already in memory (what `replace` passes), so the
-            directory's manifest is not read again.
+        manifest: a `Manifest` already in memory (what `replace` passes).
 
     Example:
         >>> train = TFRecordSequenceSource("data/train", batch_size=256, shuffle=True,
@@ -133,6 +124,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         drop_remainder: bool = False,
         validation_split: float | None = None,
         subset: str | None = None,
+        access: str = "auto",
+        verify: str = "first_read",
         shuffle_memory: int | str = DEFAULT_SHUFFLE_MEMORY,
         on_corrupt: str = "raise",
         max_corrupt_records: int = 100,
@@ -140,7 +133,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         deterministic: bool | None = None,
         check_files: bool = True,
         ragged: str = "pad",
-        decode: dict[str, Any] | None = None,
+        decode: Mapping[str, Callable] | None = None,
         num_workers: int | None = None,
         worker_index: int | None = None,
         service: str | None = None,
@@ -148,93 +141,29 @@ class TFRecordSequenceSource(tf.data.Dataset):
         service_job_name: str | None = None,
         manifest: Manifest | None = None,
     ):
+        from keras_tfr.gpu import keep_tensorflow_off_gpus
+
+        keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
-        self._worker = _distribute.check_worker_args(num_workers, worker_index)
-        _distribute.check_service_args(service, service_mode, service_job_name)
-        if service is not None and on_corrupt == "skip":
-            raise ValueError(
-                "`on_corrupt='skip'` runs Python code in the pipeline, which the tf.data "
-                "service cannot ship to its workers. Received: service="
-                f"{service!r} with on_corrupt='skip'; use on_corrupt='raise'."
-            )
-        self._service = (service, service_mode, service_job_name) if service else None
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise TypeError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"Expected `batch_size` to be a positive int. Received: {batch_size}")
-        if not isinstance(shuffle, (bool, np.bool_)):
-            raise TypeError(f"Expected `shuffle` to be a bool. Received: {shuffle!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"Expected `seed` to be an int or None. Received: {seed!r}")
-        if validation_split is not None:
-            if isinstance(validation_split, bool) or not isinstance(
-                validation_split, (int, float, np.floating)
-            ):
-                raise TypeError(
-                    f"Expected `validation_split` to be a float. Received: {validation_split!r}"
-                )
-            if not 0 < float(validation_split) < 1:
-                raise ValueError(
-                    "Expected `validation_split` to be between 0 and 1 (exclusive). "
-                    f"Received: {validation_split}"
-                )
-            if subset not in ("training", "validation"):
-                raise ValueError(
-                    "Expected `subset` to be 'training' or 'validation' when "
-                    f"`validation_split` is set. Received: subset={subset!r}"
-                )
-            if seed is None:
-                raise ValueError(
-                    "Expected a `seed` with `validation_split`: both subsets must use the same "
-                    "seed to be disjoint. Received: seed=None"
-                )
-        elif subset is not None:
-            raise ValueError(
-                f"`subset={subset!r}` needs `validation_split`. Received: validation_split=None"
-            )
-        if on_corrupt not in ("raise", "skip"):
-            raise ValueError(
-                f"Expected `on_corrupt` to be 'raise' or 'skip'. Received: {on_corrupt!r}"
-            )
-        if (
-            isinstance(max_corrupt_records, bool)
-            or not isinstance(max_corrupt_records, int)
-            or max_corrupt_records < 0
-        ):
-            raise ValueError(
-                "Expected `max_corrupt_records` to be a non-negative int. "
-                f"Received: {max_corrupt_records!r}"
-            )
-        if num_parallel_reads is not None and (
-            not isinstance(num_parallel_reads, int) or num_parallel_reads < 1
-        ):
-            raise ValueError(
-                "Expected `num_parallel_reads` to be a positive int or None. "
-                f"Received: {num_parallel_reads!r}"
-            )
-        shuffle_bytes = parse_size(shuffle_memory, argument="shuffle_memory")
+        from keras_tfr import _compat_read
 
-        if manifest is None:
-            manifest = Manifest.load(os.fspath(directory), check_files=check_files)
-        from keras_tfr.tfrecords import check_decode_options
-
-        self._ragged, self._decode = check_decode_options(
-            ragged, decode, [f.key for f in manifest.features]
-        )
-        self._manifest = manifest
-        self._config = dict(
-            directory=os.fspath(directory),
-            batch_size=int(batch_size),
-            shuffle=bool(shuffle),
-            seed=None if seed is None else int(seed),
-            drop_remainder=bool(drop_remainder),
-            validation_split=None if validation_split is None else float(validation_split),
+        _compat_read.install_corrupt_record_errors()
+        opts = SourceOptions(
+            directory=directory,  # type: ignore[arg-type]
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_remainder=drop_remainder,
+            validation_split=validation_split,
             subset=subset,
+            access=access,
+            verify=verify,
             shuffle_memory=shuffle_memory,
             on_corrupt=on_corrupt,
             max_corrupt_records=max_corrupt_records,
             num_parallel_reads=num_parallel_reads,
             deterministic=deterministic,
+            check_files=check_files,
             ragged=ragged,
             decode=decode,
             num_workers=num_workers,
@@ -243,50 +172,33 @@ class TFRecordSequenceSource(tf.data.Dataset):
             service_mode=service_mode,
             service_job_name=service_job_name,
         )
-        self._batch_size = int(batch_size)
-        self._shuffle = bool(shuffle)
-        self._seed = None if seed is None else int(seed)
-        self._drop_remainder = bool(drop_remainder)
-        self._shuffle_bytes = shuffle_bytes
-        self._on_corrupt = on_corrupt
-        self._max_corrupt = max_corrupt_records
+        if manifest is None:
+            manifest = Manifest.load(opts.directory, check_files=opts.check_files)
+        from keras_tfr.tfrecords import check_decode_options
+
+        self._ragged, self._decode = check_decode_options(
+            opts.ragged, opts.decode, [f.key for f in manifest.features]
+        )
+        self._options = opts
+        self._manifest = manifest
+        self._specs = sorted(manifest.features, key=lambda s: s.key)
+        self._access, why = _choose_access(opts, manifest, self._specs)
+        if why:
+            log.info("keras-tfr: %s reads in %s mode: %s", opts.directory, self._access, why)
         self._corrupt_lock = threading.Lock()
         self.corrupt_records = 0
         self._corrupt_seen: set[tuple[str, int]] = set()
-        self._num_parallel_reads = num_parallel_reads
-        if deterministic is None:
-            deterministic = not (self._shuffle and self._seed is None)
-        self._deterministic = bool(deterministic)
-
-        self._keep = self._select_records(validation_split, subset)
-        self._num_samples = self._count_samples()
+        self._clock = _EpochClock()
+        if self._access == "samples":
+            self._order: _order.SampleOrder | None = self._sample_plan()
+        else:
+            self._order = None
+            self._block_plan()
         if self._num_samples == 0:
             raise ValueError(
-                f"The {subset or 'selected'} subset of {directory} holds no samples "
-                f"(validation_split={validation_split}); use a smaller split or more data."
+                f"The {opts.subset or 'selected'} subset of {opts.directory} holds no samples "
+                f"(validation_split={opts.validation_split}); use a smaller split or more data."
             )
-        if self._drop_remainder:
-            self._steps = self._num_samples // self._batch_size
-        else:
-            self._steps = math.ceil(self._num_samples / self._batch_size)
-        if self._steps == 0:
-            raise ValueError(
-                f"`batch_size={batch_size}` with `drop_remainder=True` leaves no batch: the "
-                f"subset holds only {self._num_samples} samples."
-            )
-        self._pad_batches = 0
-        if self._worker is not None:
-            # This worker's balanced share, and the step count every worker agrees on.
-            self._keep, self._num_samples, self._steps, self._pad_batches = (
-                _distribute.worker_share(
-                    self._keep,
-                    self._record_samples(),
-                    *self._worker,
-                    self._batch_size,
-                    self._drop_remainder,
-                )
-            )
-        self._direct_plan = None  # the direct reader's plan, when it reads this source
         with _only_op_seeds():
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
@@ -303,11 +215,16 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def __len__(self) -> int:
         return self._steps
 
+    def __iter__(self) -> iterator_ops.OwnedIterator:
+        if not tf.inside_function():
+            return _Iterator(self)
+        return super().__iter__()
+
     def __repr__(self) -> str:
         return (
-            f"<TFRecordSequenceSource {self._config['directory']!r}: {self._num_samples} "
-            f"samples, batch_size={self._batch_size}, {self._steps} steps, "
-            f"shuffle={self._shuffle}>"
+            f"<TFRecordSequenceSource {self._options.directory!r}: {self._num_samples} "
+            f"samples, batch_size={self.batch_size}, {self._steps} steps, "
+            f"shuffle={self._options.shuffle}, access={self._access!r}>"
         )
 
     # ----------------------------------------------------------- public extras
@@ -318,8 +235,18 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return self._manifest
 
     @property
+    def options(self) -> SourceOptions:
+        """The source's arguments, checked (a frozen dataclass)."""
+        return self._options
+
+    @property
+    def access(self) -> str:
+        """``"samples"`` or ``"blocks"``: the mode this source reads in."""
+        return self._access
+
+    @property
     def num_samples(self) -> int:
-        """Samples per epoch in this subset."""
+        """Samples per epoch in this subset (this worker's share)."""
         return self._num_samples
 
     @property
@@ -329,26 +256,69 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     @property
     def batch_size(self) -> int:
-        return self._batch_size
+        return self._options.batch_size
+
+    def set_epoch(self, epoch: int, step: int = 0) -> None:
+        """Makes the next iterator read epoch ``epoch`` from batch ``step`` on.
+
+        Each iterator that starts reading is otherwise the next epoch (0, 1, 2, ...; Keras
+        makes one per epoch), and each later one goes on from there. The order of epoch
+        ``e`` depends on ``(seed, e)`` alone, so a job that restarts can go on with the
+        same order (what `keras_tfr.BackupAndRestore` does).
+
+        Example:
+            >>> train.set_epoch(3, step=120)  # the next iterator yields epoch 3's batch 120 on
+        """
+        from keras_tfr import _checks
+
+        epoch = _checks.non_negative_int("epoch", epoch)
+        step = _checks.non_negative_int("step", step)
+        if step > self._steps:
+            raise ValueError(
+                f"Expected `step` in [0, {self._steps}] (the source's steps per epoch). "
+                f"Received: {step}"
+            )
+        self._clock.set(epoch, step)
+
+    def sample_order(self, epoch: int) -> np.ndarray:
+        """Written indices of the samples epoch ``epoch`` reads, in order (sample mode).
+
+        Example:
+            >>> first_batch = source.sample_order(0)[: source.batch_size]
+        """
+        if self._order is None:
+            raise ValueError(
+                "`sample_order` needs access='samples'; this source reads in block mode, "
+                "whose order is decided inside tf.data."
+            )
+        return self._order.epoch(int(epoch))[: self._rows]
 
     def replace(self, **changes: Any) -> TFRecordSequenceSource:
-        """A copy with some arguments changed, built from the manifest already in memory.
+        """A copy with some arguments changed (the manifest in memory is reused unless
+        ``directory`` changes).
 
         Example:
             >>> bigger = source.replace(batch_size=512, shuffle_memory="256MB")
         """
-        unknown = set(changes) - set(self._config)
+        names = {f.name for f in dataclasses.fields(SourceOptions)}
+        unknown = set(changes) - names
         if unknown:
             raise TypeError(
                 f"`replace` got unknown arguments {sorted(unknown)}; expected some of "
-                f"{sorted(self._config)}"
+                f"{sorted(names)}"
             )
-        config = {**self._config, **changes}
-        directory = config.pop("directory")
-        return TFRecordSequenceSource(directory, manifest=self._manifest, **config)
+        opts = dataclasses.replace(self._options, **changes)
+        same_data = os.fspath(opts.directory) == self._options.directory
+        return TFRecordSequenceSource(
+            opts.directory, manifest=self._manifest if same_data else None, **opts.as_kwargs()
+        )
 
     def with_batch_size(self, batch_size: int) -> TFRecordSequenceSource:
-        """A copy with another batch size (no re-reading of the manifest)."""
+        """A copy with another batch size (no re-reading of the manifest).
+
+        Example:
+            >>> big = source.with_batch_size(1024)
+        """
         return self.replace(batch_size=batch_size)
 
     @staticmethod
@@ -356,8 +326,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         """Streams TFRecord files written by other tools (one `tf.train.Example` per sample).
 
         See `keras_tfr.tfrecords.from_tfrecords` for the arguments. Returns a
-        `tf.data.Dataset` of known cardinality (records are counted once; the count is
-        cached beside the files).
+        `tf.data.Dataset` of known cardinality.
 
         Example:
             >>> ds = TFRecordSequenceSource.from_tfrecords(
@@ -368,302 +337,159 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         return from_tfrecords(paths_or_glob, features, batch_size, **kwargs)
 
-    # ----------------------------------------------------------- selection
+    # ----------------------------------------------------------- planning
 
-    def _record_samples(self) -> np.ndarray:
-        """Samples in each global record (only the data set's last record can be short)."""
+    def _steps_of(self, shares: list[int], own: int) -> tuple[int, int]:
+        """(steps every worker runs, empty batches this worker pads with)."""
+        b = self.batch_size
+        if self._options.drop_remainder:
+            steps = min(n // b for n in shares)
+            if steps == 0:
+                raise ValueError(
+                    f"`batch_size={b}` with `drop_remainder=True` leaves no batch: the "
+                    f"{'smallest worker share' if len(shares) > 1 else 'subset'} holds only "
+                    f"{min(shares)} samples."
+                )
+            return steps, 0
+        steps = max(math.ceil(n / b) for n in shares)
+        return steps, steps - math.ceil(own / b)
+
+    def _sample_plan(self) -> _order.SampleOrder:
+        opts = self._options
+        m = self._manifest
+
+        def share(worker: int | None) -> _order.SampleOrder:
+            return _order.SampleOrder(
+                m.total_samples,
+                seed=opts.seed,
+                validation_split=opts.validation_split,
+                subset=opts.subset,
+                num_workers=opts.num_workers,
+                worker_index=worker,
+                shuffle=opts.shuffle,
+                batch_size=opts.batch_size,
+            )
+
+        order = share(opts.worker_index)
+        self._num_samples = order.size
+        if order.size == 0:
+            self._steps = self._pad_batches = self._rows = 0
+            return order
+        if opts.num_workers is None:
+            shares = [order.size]
+        else:
+            shares = [share(w).size for w in range(opts.num_workers)]
+            if min(shares) == 0:
+                raise ValueError(
+                    f"`num_workers={opts.num_workers}` leaves a worker without samples: the "
+                    f"subset holds {sum(shares)}."
+                )
+        self._steps, self._pad_batches = self._steps_of(shares, order.size)
+        self._rows = min(order.size, (self._steps - self._pad_batches) * opts.batch_size)
+        return order
+
+    def _block_plan(self) -> None:
+        opts = self._options
         m = self._manifest
         counts = np.full(m.total_records, m.samples_per_record, dtype=np.int64)
         if m.total_records:
             counts[-1] = m.total_samples - (m.total_records - 1) * m.samples_per_record
-        return counts
-
-    def _select_records(self, split: float | None, subset: str | None) -> np.ndarray | None:
-        """Boolean mask over global records, or None for all of them.
-
-        Like Keras' ``validation_split``: a seeded permutation of the records; the first
-        ``round(split * records)`` of it (at least one, at most all but one) are validation.
-        """
-        if split is None:
-            return None
-        total = self._manifest.total_records
-        if total < 2:
-            raise ValueError(
-                f"`validation_split` needs at least 2 records; {self._config['directory']} "
-                f"holds {total}. Write with a smaller `samples_per_record`."
+        keep = None
+        if opts.validation_split is not None:
+            assert opts.subset is not None and opts.seed is not None
+            keep = _order.block_split(
+                m.total_records, opts.validation_split, opts.subset, opts.seed, opts.directory
             )
-        n_val = min(max(1, round(split * total)), total - 1)
-        perm = np.random.default_rng(self._seed).permutation(total)
-        is_val = np.zeros(total, dtype=bool)
-        is_val[perm[:n_val]] = True
-        return is_val if subset == "validation" else ~is_val
+        self._num_samples = int(counts.sum() if keep is None else counts[keep].sum())
+        self._pad_batches = 0
+        self._rows = self._num_samples
+        if self._num_samples == 0:
+            self._keep, self._steps = keep, 0
+            return
+        self._steps, _ = self._steps_of([self._num_samples], self._num_samples)
+        if opts.num_workers is not None and opts.worker_index is not None:
+            keep, self._num_samples, self._steps, self._pad_batches = _distribute.worker_share(
+                keep,
+                counts,
+                opts.num_workers,
+                opts.worker_index,
+                opts.batch_size,
+                opts.drop_remainder,
+            )
+        self._keep = keep
+        self._rows = self._num_samples
 
-    def _count_samples(self) -> int:
-        counts = self._record_samples()
-        if self._keep is None:
-            return int(counts.sum())
-        return int(counts[self._keep].sum())
+    def _pool_bytes(self) -> int:
+        """Block mode: bytes of records whose samples are permuted together: at least two
+        batches, at most a quarter of ``shuffle_memory`` when shuffling."""
+        m = self._manifest
+        pool_bytes = max(_POOL_BYTES, 2 * self.batch_size * m.sample_bytes)
+        if self._options.shuffle:
+            pool_bytes = min(pool_bytes, max(m.record_bytes, self._options.shuffle_bytes // 4))
+        return pool_bytes
 
     # ----------------------------------------------------------- pipeline
 
     def _build(self) -> tf.data.Dataset:
-        m = self._manifest
-        spr = m.samples_per_record
-        specs = sorted(m.features, key=lambda s: s.key)
-        record_bytes = max(1, m.record_bytes)
-        seed = self._seed
+        if self._access == "samples":
+            return self._finish(self._build_mapped(), direct=True)
+        from keras_tfr.read.graph import GraphReader
 
-        def op_seed(k: int) -> int | None:
-            return None if seed is None else seed * 7919 + k
-
-        if self._direct_ok(specs):
-            return self._finish(self._build_direct(specs), specs, direct=True)
-
-        files = [m.shard_path(s) for s in m.shards]
-        first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)
-        counts = np.array([s.records for s in m.shards], dtype=np.int64)
-        if self._keep is not None:
-            # Shards with no selected record are not opened at all.
-            keep_per_shard = [bool(self._keep[f : f + c].any()) for f, c in zip(first, counts)]
-            files = [f for f, k in zip(files, keep_per_shard) if k]
-            first = first[keep_per_shard]
-            counts = counts[keep_per_shard]
-        shards = tf.data.Dataset.from_tensor_slices(
-            (tf.constant(files, tf.string), tf.constant(first), tf.constant(counts))
+        opts = self._options
+        deterministic = opts.deterministic
+        if deterministic is None:
+            deterministic = not (opts.shuffle and opts.seed is None)
+        reader = GraphReader(
+            manifest=self._manifest,
+            specs=self._specs,
+            keep=self._keep,
+            shuffle=opts.shuffle,
+            seed=opts.seed,
+            deterministic=deterministic,
+            shuffle_bytes=opts.shuffle_bytes,
+            pool_bytes=self._pool_bytes(),
+            batch_size=opts.batch_size,
+            drop_remainder=opts.drop_remainder,
+            num_parallel_reads=opts.num_parallel_reads,
+            on_corrupt=opts.on_corrupt,
+            report_skip=self._report_skip,
+            service=(opts.service, opts.service_mode, opts.service_job_name)
+            if opts.service
+            else None,
+            fill_steps=self._steps - self._pad_batches if opts.on_corrupt == "skip" else None,
         )
-        if self._shuffle:
-            shards = shards.shuffle(len(files), seed=op_seed(1), reshuffle_each_iteration=True)
+        return self._finish(reader.dataset(self._clock.take), direct=False)
 
-        keep = None if self._keep is None else tf.constant(self._keep)
-        compression = m.compression or ""
-
-        # Every full record of a fixed-layout data set has the same size and only the data
-        # set's last record can be short, so record i of a shard starts at i * frame: an
-        # `enumerate` replaces the scan of lengths, and one filter per record (instead of
-        # four functions) checks the shard's end and the split. Yields (index, record).
-        frame = m.record_bytes + 16
-        fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
-
-        def read_fixed_shard(path, first_record, n_records):
-            records = _records_or_empty(path, compression)
-            end = tf.data.Dataset.from_tensors(tf.constant(b""))  # records are never empty
-            indexed = records.ignore_errors().concatenate(end).enumerate()
-
-            def keep_record(i, record):
-                def at_end():
-                    ok = self._check_shard_end(path, i, i * frame, n_records, tf.constant(True))
-                    return tf.logical_and(ok, tf.equal(tf.strings.length(record), -1))
-
-                if keep is None:
-                    keep_it = lambda: tf.constant(True)  # noqa: E731
-                else:
-                    keep_it = lambda: tf.gather(keep, first_record + i)  # noqa: E731
-                return tf.cond(tf.strings.length(record) > 0, keep_it, at_end)
-
-            return indexed.filter(keep_record)
-
-        def read_shard(path, first_record, n_records):
-            if fixed_layout:
-                return read_fixed_shard(path, first_record, n_records)
-            records = _records_or_empty(path, compression)
-            # TensorFlow's reader ends a shard at its first bad record; ignore_errors turns
-            # that into a short shard, which the scan below detects, names and counts.
-            records = records.ignore_errors().map(lambda r: (r, False))
-            sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
-
-            def scan_fn(state, elem):
-                index, offset = state
-                record, is_end = elem
-                if_end_ok = self._check_shard_end(path, index, offset, n_records, is_end)
-                length = tf.cast(tf.strings.length(record), tf.int64) + 16
-                new_state = (index + 1, offset + length)
-                return new_state, (index, record, is_end, if_end_ok)
-
-            scanned = records.concatenate(sentinel).scan(
-                (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), scan_fn
-            )
-            scanned = scanned.filter(
-                lambda i, r, is_end, ok: tf.logical_and(ok, tf.logical_not(is_end))
-            )
-            if keep is not None:
-                scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
-            return scanned.map(lambda i, r, e, ok: (i, r))
-
-        cycle = self._num_parallel_reads or min(8, max(2, os.cpu_count() or 2))
-        cycle = max(1, min(cycle, len(files)))
-        if self._shuffle:
-            records = shards.interleave(
-                read_shard,
-                cycle_length=cycle,
-                block_length=1,
-                num_parallel_calls=cycle,  # not AUTOTUNE: it ramps up from one reader
-                deterministic=self._deterministic,
-            )
-            buffer_records = max(1, (self._shuffle_bytes // 4) // record_bytes)
-            records = records.shuffle(
-                min(buffer_records, m.total_records), seed=op_seed(2), reshuffle_each_iteration=True
-            )
-        else:
-            # block_length covers a whole shard, so shards come out one after another in
-            # written order while the next ones are already being read.
-            records = shards.interleave(
-                read_shard,
-                cycle_length=cycle,
-                block_length=int(max(counts.max(initial=1), 1)),
-                num_parallel_calls=cycle,
-                deterministic=True,
-            )
-
-        pool_records = max(1, self._pool_bytes() // record_bytes)
-        records = records.batch(pool_records).map(lambda _, r: r)  # drop the indices
-
-        feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
-        feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
-        fixed_specs = [s for s in specs if s.kind == "fixed"]
-        variable_specs = [s for s in specs if s.kind != "fixed"]
-        for s in variable_specs:
-            feature_spec[s.lengths_key] = tf.io.FixedLenFeature([], tf.string)
-        has_short_record = m.total_samples % spr != 0
-        shuffle = self._shuffle
-
-        def parse_pool(serialized):
-            parsed = tf.io.parse_example(serialized, feature_spec)
-            decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in fixed_specs}
-            return decoded, parsed
-
-        fast_decode = None
-        if fixed_layout and not variable_specs:
-            fast_decode = _fixed_layout_decoder(specs, spr, m.record_bytes, parse_pool)
-
-        def decode_pool(serialized, rand):
-            if fast_decode is not None:
-                decoded, counts_ = fast_decode(serialized)
-                variable = {}
-            else:
-                decoded, parsed = parse_pool(serialized)
-                counts_ = parsed[COUNT_KEY]
-                # Non-fixed features decode to exactly the pool's samples (no padding).
-                variable = {
-                    s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
-                    for s in variable_specs
-                }
-            if shuffle:
-                if has_short_record:
-                    valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
-                    idx = tf.where(valid)[:, 0]
-                else:
-                    idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
-                if variable:
-                    # The same permutation as stateless_shuffle(idx), applied to both.
-                    perm = tf.random.experimental.stateless_shuffle(
-                        tf.range(tf.size(idx, out_type=tf.int64)), seed=rand
-                    )
-                    idx = tf.gather(idx, perm)
-                    variable = {k: tf.gather(v, perm) for k, v in variable.items()}
-                else:
-                    idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
-                decoded = {k: tf.gather(v, idx) for k, v in decoded.items()}
-            elif has_short_record:
-                n = tf.reduce_sum(counts_)
-                decoded = {k: v[:n] for k, v in decoded.items()}
-            decoded.update(variable)
-            return decoded
-
-        # A fixed parallelism starts the first epoch at full speed (AUTOTUNE ramps up from
-        # one call, which costs Keras a slow start at every epoch's new iterator).
-        decoders = max(2, os.cpu_count() or 2)
-        if shuffle:
-            rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
-            rng = rng.batch(2)
-            pools = tf.data.Dataset.zip((records, rng)).map(
-                decode_pool, num_parallel_calls=decoders, deterministic=self._deterministic
-            )
-        else:
-            pools = records.map(
-                lambda s: decode_pool(s, None), num_parallel_calls=decoders, deterministic=True
-            )
-        if self._service is not None:
-            # Reading, parsing and decoding run on the tf.data service workers; batches are
-            # cut here, so an epoch keeps exactly the step count Keras was given.
-            pools = _distribute.via_service(pools, *self._service)
-        batches = pools.rebatch(self._batch_size, drop_remainder=self._drop_remainder)
-        return self._finish(batches, specs, direct=False)
-
-    def _pool_bytes(self) -> int:
-        """Bytes of records whose samples are permuted together (both read paths): at
-        least two batches, at most a quarter of ``shuffle_memory`` when shuffling."""
-        m = self._manifest
-        pool_bytes = max(_POOL_BYTES, 2 * self._batch_size * m.sample_bytes)
-        if self._shuffle:
-            pool_bytes = min(pool_bytes, max(m.record_bytes, self._shuffle_bytes // 4))
-        return pool_bytes
-
-    def _direct_ok(self, specs: list[FeatureSpec]) -> bool:
-        """Whether the direct read path (`keras_tfr._direct`) can read this data set."""
-        m = self._manifest
-        choice = os.environ.get("KERAS_TFR_READER", "auto").strip().lower()
-        if choice not in ("auto", "direct", "graph"):
-            raise ValueError(
-                f"Expected KERAS_TFR_READER to be 'auto', 'direct' or 'graph'. Received: {choice!r}"
-            )
-        if choice == "graph":
-            return False
-        from keras_tfr import _direct
-
-        reasons = []
-        if m.compression:
-            reasons.append(f"the shards are {m.compression}-compressed")
-        if m.record_bytes <= 0 or any(s.kind != "fixed" for s in specs):
-            reasons.append("it has variable-length features")
-        elif _direct.frame_bytes(specs, m.samples_per_record) != m.record_bytes + 16:
-            reasons.append("its manifest's record size does not match the record layout")
-        if self._service is not None:
-            reasons.append("the tf.data service runs the pipeline on its own workers")
-        if "://" in self._config["directory"]:
-            reasons.append("it is not on a local file system")
-        if not _direct.available():
-            reasons.append("this platform lacks os.preadv")
-        if reasons and choice == "direct":
-            raise ValueError(
-                "KERAS_TFR_READER=direct, but the direct reader cannot read "
-                f"{self._config['directory']}: " + "; ".join(reasons)
-            )
-        return not reasons
-
-    def _build_direct(self, specs: list[FeatureSpec]) -> tf.data.Dataset:
-        from keras_tfr import _direct
+    def _build_mapped(self) -> tf.data.Dataset:
+        from keras_tfr.read import mapped
 
         m = self._manifest
-        if self._keep is None:
-            kept = np.arange(m.total_records, dtype=np.int64)
-        else:
-            kept = np.flatnonzero(self._keep).astype(np.int64)
+        opts = self._options
+        specs = self._specs
+        assert self._order is not None
 
         def skip(path: str, offset: int, index: int, n_records: int, problem: str) -> None:
             self._report_skip(path, offset, index, n_records, lost=1, problem=problem)
 
-        plan = _direct.DirectPlan(
+        plan = mapped.MappedPlan(
             specs=specs,
             files=[m.shard_path(s) for s in m.shards],
             shard_records=[s.records for s in m.shards],
+            shard_bytes=[s.bytes for s in m.shards],
             samples_per_record=m.samples_per_record,
             total_samples=m.total_samples,
-            kept_records=kept,
-            num_samples=self._num_samples,
+            order=self._order,
             num_batches=self._steps - self._pad_batches,
-            batch_size=self._batch_size,
-            shuffle=self._shuffle,
-            seed=self._seed,
-            pool_bytes=self._pool_bytes(),
-            readers=self._num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
-            skip=skip if self._on_corrupt == "skip" else None,
+            batch_size=opts.batch_size,
+            readers=opts.num_parallel_reads or min(4, max(2, os.cpu_count() or 2)),
+            verify=opts.verify,
+            skip=skip if opts.on_corrupt == "skip" else None,
         )
-        self._direct_plan = plan
-        raw = _direct.dataset(plan)
-        # One map decodes and (without `decode=` steps in between) builds Keras' structure:
-        # each stage costs the iterator made at every epoch's start a few milliseconds.
-        structure = self._structure_fn(specs) if not self._decode else (lambda d: d)
-        rows = self._batch_size if self._drop_remainder else None
+        self._mapped_plan = plan
+        raw = mapped.dataset(plan, self._clock.take)
+        # One map decodes and (without `decode=` steps in between) builds Keras' structure.
+        structure = self._structure_fn() if not self._decode else (lambda d: d)
+        rows = opts.batch_size if opts.drop_remainder else None
 
         def decode(*u8):
             return structure(
@@ -675,68 +501,39 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         return raw.map(decode)
 
-    def _finish(self, batches: tf.data.Dataset, specs: list[FeatureSpec], direct: bool):
-        """The stages after batching, shared by both read paths."""
-        variable_specs = [s for s in specs if s.kind != "fixed"]
-        skip_mode = self._on_corrupt == "skip"
-        if variable_specs or self._decode:
+    def _finish(self, batches: tf.data.Dataset, direct: bool) -> tf.data.Dataset:
+        """The stages after batching, shared by both modes."""
+        opts = self._options
+        if any(s.kind != "fixed" for s in self._specs) or self._decode:
             from keras_tfr.tfrecords import finish_features
 
             finish = finish_features(self._decode, self._ragged)
             batches = batches.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if not direct or self._decode:
-            batches = batches.map(self._structure_fn(specs))
+            batches = batches.map(self._structure_fn())
         if self._pad_batches:
             batches = _distribute.pad_with_empty_batches(batches, self._pad_batches)
-        if skip_mode and not direct:
-            # Dropped records would shorten the epoch: fill it from the next pass instead,
-            # so Keras always gets exactly the step count it was given.
-            batches = batches.repeat().take(self._steps)
+        # Prefetch starts with an iterator's first batch, so an iterator Keras makes and
+        # drops unread (it makes the next one at each epoch's end) reads nothing.
         batches = batches.prefetch(tf.data.AUTOTUNE)
-        if self._service is None or self._service[1] == "distributed_epoch":
-            # (in "parallel_epochs" mode every service worker sends an epoch of its own)
+        if opts.service is None or opts.service_mode == "distributed_epoch":
             batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
         options = tf.data.Options()
-        options.deterministic = self._deterministic
-        if self._worker is not None:
+        if direct:
+            options.deterministic = True
+            options.experimental_optimization.apply_default_optimizations = False
+        else:
+            options.deterministic = not (opts.shuffle and opts.seed is None) or bool(
+                opts.deterministic
+            )
+            options.experimental_optimization.map_parallelization = True
+        if opts.num_workers is not None:
             # This source already holds only its worker's share: no second sharding.
             off = tf.data.experimental.AutoShardPolicy.OFF
             options.experimental_distribute.auto_shard_policy = off
-        options.experimental_optimization.map_parallelization = True
-        if direct:
-            options.experimental_optimization.apply_default_optimizations = False
-        batches = batches.with_options(options)
-        return batches
+        return batches.with_options(options)
 
-    def _check_shard_end(self, path, index, offset, n_records, is_end):
-        """At a shard's end marker: True if all records were read, else raise or skip."""
-        complete = tf.logical_or(tf.logical_not(is_end), tf.equal(index, n_records))
-        if self._on_corrupt == "raise":
-            message = tf.strings.join(
-                [
-                    "keras-tfr: corrupt record in ",
-                    path,
-                    " at byte offset ",
-                    tf.strings.as_string(offset),
-                    " (record ",
-                    tf.strings.as_string(index),
-                    " of ",
-                    tf.strings.as_string(n_records),
-                    "): " + _CORRUPT_HINT,
-                ]
-            )
-            assert_op = tf.debugging.Assert(complete, [message], summarize=1)
-            with tf.control_dependencies([assert_op]):
-                return tf.identity(tf.constant(True))
-
-        def report(p, off, idx, n):
-            return np.bool_(self._report_skip(p.numpy().decode(), int(off), int(idx), int(n)))
-
-        return tf.cond(
-            complete,
-            lambda: tf.constant(True),
-            lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
-        )
+    # ----------------------------------------------------------- damage
 
     def _report_skip(
         self,
@@ -759,38 +556,29 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 self._corrupt_seen.add((path, index))
                 self.corrupt_records += lost
             total = self.corrupt_records
-        if new and problem is not None:
+        if new:
+            what = problem or f"the {lost - 1} record(s) after it in that shard go too"
             log.warning(
-                "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d): "
-                "%s; %d record(s) skipped so far",
+                "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of "
+                "%d): %s; %d record(s) skipped so far",
                 path,
                 offset,
                 index,
                 n_records,
-                problem,
+                what,
                 total,
             )
-        elif new:
-            log.warning(
-                "keras-tfr: skipped a corrupt record in %s at byte offset %d (record %d of %d) "
-                "and the %d record(s) after it in that shard; %d record(s) skipped so far",
-                path,
-                offset,
-                index,
-                n_records,
-                lost - 1,
-                total,
-            )
-        if total > self._max_corrupt:
-            raise RuntimeError(
-                f"keras-tfr: {total} corrupt records skipped, more than "
-                f"max_corrupt_records={self._max_corrupt}; last in {path} at byte offset "
-                f"{offset}. Run `keras-tfr verify` on the data set."
+        if total > self._options.max_corrupt_records:
+            raise ValueError(
+                f"keras-tfr: corrupt records: {total} skipped, more than "
+                f"max_corrupt_records={self._options.max_corrupt_records}; last in {path} at "
+                f"byte offset {offset}. Run `keras-tfr verify` on the data set."
             )
         return True
 
-    def _structure_fn(self, specs: list[FeatureSpec]):
+    def _structure_fn(self) -> Callable[[dict], Any]:
         structure = self._manifest.structure
+        specs = self._specs
 
         def role_value(decoded, role):
             kind = structure[role]
@@ -808,6 +596,112 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values[0] if len(values) == 1 else values
 
         return fn
+
+
+class _EpochClock:
+    """The epoch (and first batch) of each new iterator: set by `set_epoch`, else the one
+    after the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._step = 0
+
+    def set(self, epoch: int, step: int) -> None:
+        with self._lock:
+            self._epoch, self._step = epoch, step
+
+    def take(self) -> tuple[int, int]:
+        with self._lock:
+            out = (self._epoch, self._step)
+            self._epoch += 1
+            self._step = 0
+        return out
+
+
+class _Iterator(iterator_ops.OwnedIterator):
+    """An iterator whose damaged-data errors are `CorruptRecordError`, whichever reader
+    found them (TensorFlow reports them as its own error types)."""
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except tf.errors.OpError as e:
+            converted = corrupt_record_error(e)
+            if converted is None:
+                raise
+            raise converted from e
+
+
+def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:
+    """The `CorruptRecordError` a TensorFlow error stands for, or None if it is another."""
+    if isinstance(error, CorruptRecordError):
+        return error
+    found = _CORRUPT.search(str(error))
+    if found is None:
+        return None
+    message = found.group(0)
+    where = _CORRUPT_AT.search(message)
+    file = where.group(1) if where else None
+    offset = int(where.group(2)) if where else None
+    return CorruptRecordError(message, file=file, offset=offset)
+
+
+def _choose_access(opts: SourceOptions, m: Manifest, specs: list[FeatureSpec]) -> tuple[str, str]:
+    """``(mode, why)``: the access mode this source reads in, and why when not asked for."""
+    reader = os.environ.get("KERAS_TFR_READER", "auto").strip().lower()
+    if reader not in _READERS:
+        raise ValueError(
+            f"Expected KERAS_TFR_READER to be one of {', '.join(_READERS)}. Received: {reader!r}"
+        )
+    from keras_tfr.read import mapped
+
+    reasons = []
+    if m.compression:
+        reasons.append(f"the shards are {m.compression}-compressed")
+    if m.record_bytes <= 0 or any(s.kind != "fixed" for s in specs):
+        reasons.append("it has variable-length features")
+    elif mapped.frame_bytes(specs, m.samples_per_record) != framing.frame_size(m.record_bytes):
+        reasons.append("its manifest's record size does not match the record layout")
+    if opts.service is not None:
+        reasons.append("the tf.data service runs the pipeline on its own workers")
+    if opts.is_remote:
+        reasons.append("it is not on a local file system")
+    if not mapped.available():
+        reasons.append("this platform cannot memory-map the shards")
+    if reasons and (opts.access == "samples" or reader in ("mapped", "direct")):
+        asked = "access='samples'" if opts.access == "samples" else f"KERAS_TFR_READER={reader}"
+        raise ValueError(
+            f"{asked}, but {opts.directory} cannot be read by sample: " + "; ".join(reasons)
+        )
+    if reader == "graph":
+        if opts.access == "samples":
+            raise ValueError(
+                "access='samples' needs the memory-mapped reader, but KERAS_TFR_READER=graph"
+            )
+        return "blocks", "KERAS_TFR_READER=graph"
+    if opts.access != "auto":
+        return opts.access, ""
+    if reasons:
+        return "blocks", "; ".join(reasons)
+    slow = _slow_random_access(m.total_bytes)
+    if slow:
+        return "blocks", slow
+    return "samples", ""
+
+
+def _slow_random_access(total_bytes: int) -> str:
+    """Why reading single samples at random would be slow here, or ``""``."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        memory = 0
+    if memory and total_bytes > memory // 2:
+        return (
+            f"the data set ({total_bytes / 1e9:.1f} GB) is larger than half of this "
+            f"machine's memory ({memory / 1e9:.1f} GB): random sample reads would go to disk"
+        )
+    return ""
 
 
 @contextlib.contextmanager
@@ -832,65 +726,3 @@ def _only_op_seeds():
         yield
     finally:
         ctx._seed = saved
-
-
-def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool):
-    """Decodes pools of full records by offset: one `decode_raw` of the whole records,
-    then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
-    copies every payload out) followed by a `decode_raw` per feature.
-
-    All full records of a data set share one layout (`BlockEncoder.fixed_layout`); every
-    non-payload byte is checked against it, so a record that is not what the manifest
-    says fails loudly. A pool holding the short last record takes the `parse_example` path.
-    Returns None when the manifest's record size does not match the layout.
-    """
-    from keras_tfr.schema import BlockEncoder
-
-    offsets, headers, length = BlockEncoder(specs).fixed_layout(spr)
-    if length != record_bytes:
-        return None
-    header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
-    header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
-
-    def fast(serialized):
-        u8 = tf.io.decode_raw(serialized, tf.uint8)  # [k, record_bytes]
-        got = tf.gather(u8, header_positions, axis=1)
-        ok = tf.reduce_all(tf.equal(got, header_bytes[None, :]))
-        check = tf.debugging.Assert(
-            ok,
-            [
-                "keras-tfr: a record passed its CRC check but does not have the layout its "
-                "manifest describes; the data set was modified after it was written"
-            ],
-        )
-        with tf.control_dependencies([check]):
-            decoded = {}
-            for s in specs:
-                seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
-                decoded[s.key] = tf_bytes_to_feature(seg, s)
-        k = tf.shape(serialized, out_type=tf.int64)[0]
-        return decoded, tf.fill([k], tf.constant(spr, tf.int64))
-
-    def slow(serialized):
-        decoded, parsed = parse_pool(serialized)
-        return decoded, parsed[COUNT_KEY]
-
-    def decode(serialized):
-        full = tf.reduce_all(tf.equal(tf.strings.length(serialized), record_bytes))
-        return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
-
-    return decode
-
-
-def _records_or_empty(path, compression: str):
-    """`TFRecordDataset` of one shard; empty when the file does not exist.
-
-    A file that cannot be opened makes `ignore_errors` retry it forever (TensorFlow's
-    reader moves on after a bad record, not after a failed open), so a shard deleted after
-    the source was built would hang the pipeline. Reading nothing instead lets the
-    shard-end check name it, at byte offset 0. One glob per shard and epoch, with the
-    path's wildcard characters escaped.
-    """
-    pattern = tf.strings.regex_replace(path, r"([*?\[\]\\])", r"\\\1")
-    found = tf.io.matching_files(pattern)[:1]
-    return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)

@@ -499,6 +499,9 @@ def from_tfrecords(
     """
     import tensorflow as tf
 
+    from keras_tfr.gpu import keep_tensorflow_off_gpus
+
+    keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
     if (
         isinstance(batch_size, bool)
         or not isinstance(batch_size, (int, np.integer))

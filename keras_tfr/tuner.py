@@ -186,7 +186,7 @@ def rebatch(
     changes: dict[str, Any] = {}
     if batch_size is not None and batch_size != data.batch_size:
         changes["batch_size"] = batch_size
-    if shuffle_memory is not None and shuffle_memory != data._config["shuffle_memory"]:
+    if shuffle_memory is not None and shuffle_memory != data.options.shuffle_memory:
         changes["shuffle_memory"] = shuffle_memory
     return data.replace(**changes) if changes else data
 

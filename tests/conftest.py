@@ -33,15 +33,10 @@ def make_dataset(tmp_path):
     return make
 
 
-@pytest.fixture(params=["direct", "direct-views", "graph"])
+@pytest.fixture(params=["mapped", "graph"])
 def reader(request, monkeypatch):
-    """Runs a test with each read path of `TFRecordSequenceSource` (``KERAS_TFR_READER``):
-    the direct reader (`keras_tfr._direct`) handing TensorFlow units to `unbatch` (what
-    small batches get) or batch views (what batches of 2 MB and more get), and the tf.data
-    graph reader."""
-    monkeypatch.setenv("KERAS_TFR_READER", request.param.split("-")[0])
-    if request.param == "direct-views":
-        from keras_tfr import _direct
-
-        monkeypatch.setattr(_direct, "_VIEW_BYTES", 0)
+    """Runs a test with each reader of `TFRecordSequenceSource` (``KERAS_TFR_READER``): the
+    memory-mapped reader of sample mode (`keras_tfr.read.mapped`) and the tf.data graph
+    reader of block mode (`keras_tfr.read.graph`)."""
+    monkeypatch.setenv("KERAS_TFR_READER", request.param)
     return request.param

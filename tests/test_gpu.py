@@ -319,7 +319,7 @@ def test_jax_backend_without_gpu_sets_nothing():
             import keras
             print("SUM:", float(keras.ops.sum(keras.ops.ones(4))))
         print("STATE:", gpu.backend, gpu.devices, gpu.peak_mb,
-              os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+              os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), gpu.tensorflow_gpus)
         """,
         KERAS_BACKEND="jax",
         JAX_PLATFORMS="cpu",
@@ -328,7 +328,7 @@ def test_jax_backend_without_gpu_sets_nothing():
     assert result.stdout.splitlines() == [
         "LOG: limit_gpu_memory: no GPU visible to JAX; running without a GPU memory limit.",
         "SUM: 4.0",
-        "STATE: jax [] None None",
+        "STATE: jax [] None None no-gpu",  # TensorFlow sees no GPU here either
     ]
 
 
@@ -345,7 +345,105 @@ def test_limit_per_device_from_megabytes_or_fraction():
         per_device(fr, None, "GPU:0")
 
 
+class _FakeLibcuda:
+    """The four driver calls `_cuda_device_totals_mb` makes, over made-up devices."""
+
+    def __init__(self, totals_bytes, init_rc=0, failing_call=None):
+        self.totals_bytes = totals_bytes
+        self.init_rc = init_rc
+        self.failing_call = failing_call
+
+    def cuInit(self, flags):
+        assert flags == 0
+        return self.init_rc
+
+    def cuDeviceGetCount(self, count):
+        count._obj.value = len(self.totals_bytes)
+        return 1 if self.failing_call == "count" else 0
+
+    def cuDeviceGet(self, device, ordinal):
+        device._obj.value = 100 + ordinal  # a handle, not the ordinal: must be passed on
+        return 1 if self.failing_call == "get" else 0
+
+    def cuDeviceTotalMem_v2(self, size, device):
+        size._obj.value = self.totals_bytes[device.value - 100]
+        return 1 if self.failing_call == "total" else 0
+
+
+def _with_fake_driver(monkeypatch, lib, loadable=("libcuda.so.1",)):
+    import ctypes
+
+    opened = []
+
+    def load(name):
+        opened.append(name)
+        if name not in loadable:
+            raise OSError(f"{name}: cannot open shared object file")
+        return lib
+
+    fake_ctypes = types.SimpleNamespace(
+        CDLL=load, c_int=ctypes.c_int, c_size_t=ctypes.c_size_t, byref=ctypes.byref
+    )
+    if sys.platform == "win32":
+        pytest.skip("the fake stands in for Linux's libcuda")
+    monkeypatch.setattr(gpu_module, "ctypes", fake_ctypes)
+    return opened
+
+
+def test_cuda_driver_query_reads_each_device_in_mib(monkeypatch):
+    gib = 1 << 30
+    lib = _FakeLibcuda([80 * gib, 16 * gib + 5, (1 << 20) - 1])
+    opened = _with_fake_driver(monkeypatch, lib, loadable=("libcuda.so",))
+    # Whole MiB, rounded down, one per device in ordinal order.
+    assert gpu_module._cuda_device_totals_mb() == [81920, 16384, 0]
+    assert opened == ["libcuda.so.1", "libcuda.so"]  # the versioned name first
+
+
+@pytest.mark.parametrize(
+    ("lib", "loadable"),
+    [
+        (_FakeLibcuda([1 << 30]), ()),  # no driver library at all
+        (_FakeLibcuda([], init_rc=100), ("libcuda.so.1",)),  # CUDA_ERROR_NO_DEVICE
+        (_FakeLibcuda([1 << 30], failing_call="count"), ("libcuda.so.1",)),
+        (_FakeLibcuda([1 << 30], failing_call="get"), ("libcuda.so.1",)),
+        (_FakeLibcuda([1 << 30], failing_call="total"), ("libcuda.so.1",)),
+    ],
+)
+def test_cuda_driver_query_says_none_when_the_driver_cannot_answer(monkeypatch, lib, loadable):
+    _with_fake_driver(monkeypatch, lib, loadable)
+    assert gpu_module._cuda_device_totals_mb() is None
+
+
+def _libcuda_or_none():
+    """This machine's CUDA driver library, opened independently of the code under test."""
+    import ctypes
+
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
 def test_cuda_driver_query_without_a_context():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the precondition below checks Linux's libcuda names")
     totals = gpu_module._cuda_device_totals_mb()
-    # No driver here gives None; with one, a positive total per visible device.
-    assert totals is None or all(isinstance(t, int) and t > 0 for t in totals)
+    lib = _libcuda_or_none()
+    if lib is None:
+        # This machine has no CUDA driver: the answer must be exactly None (not [] or 0).
+        assert totals is None
+        return
+    if lib.cuInit(0) != 0:  # a driver library without a usable device
+        assert totals is None
+        return
+    assert isinstance(totals, list) and totals and all(t > 0 for t in totals)
+    torch = pytest.importorskip("torch", reason="torch's totals are the reference")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here: no reference for the totals")
+    expected = [
+        torch.cuda.get_device_properties(i).total_memory // (1 << 20)
+        for i in range(torch.cuda.device_count())
+    ]
+    assert totals == expected

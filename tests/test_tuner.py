@@ -203,9 +203,9 @@ def test_copies_share_the_manifest_and_take_the_trials_values(sources, tmp_path)
         x = call["x"]
         assert x is not train and x.manifest is train.manifest  # no re-reading from disk
         assert x.batch_size == 25 and len(x) == 8  # ceil(200 / 25)
-        assert x._config["shuffle_memory"] == trial.hyperparameters.values["shuffle_memory"]
+        assert x.options.shuffle_memory == trial.hyperparameters.values["shuffle_memory"]
         assert call["val_batch_size"] == 25  # validation follows, as fit does for arrays
-    assert sorted(c["x"]._config["shuffle_memory"] for c in seen) == ["1MB", "2MB"]
+    assert sorted(c["x"].options.shuffle_memory for c in seen) == ["1MB", "2MB"]
 
 
 def test_batch_size_declared_in_build_or_passed_by_a_subclass(sources, tmp_path):
@@ -275,7 +275,7 @@ def test_rebatch(sources):
     assert rebatch(train, 10) is train
     copy = rebatch(train, 7, shuffle_memory="3MB")
     assert copy is not train and copy.manifest is train.manifest
-    assert (copy.batch_size, len(copy), copy._config["shuffle_memory"]) == (7, 29, "3MB")
+    assert (copy.batch_size, len(copy), copy.options.shuffle_memory) == (7, 29, "3MB")
     arrays = np.zeros((3, 2))
     assert rebatch(arrays, 7) is arrays
     with pytest.raises(ValueError, match="batch_size"):

@@ -1,0 +1,1 @@
+"""The on-disk format in one place: TFRecord framing (`framing`)."""

@@ -1,0 +1,387 @@
+"""The graph reader: block mode, run entirely in tf.data's C++ runtime.
+
+Used for ``access="blocks"``: GZIP/ZLIB shards, variable-length features, ``gs://`` and
+other `tf.io.gfile` URLs, the tf.data service, platforms without memory maps, or any data
+set when asked for. Records (blocks of samples) are read in sequence, never single
+samples, so the per-element overhead of tf.data is paid once per block. Stage by stage:
+
+1. shard list from the manifest (a seeded permutation each epoch when shuffling);
+2. parallel interleave of `TFRecordDataset` readers, one per shard; a record's index (and
+   so its byte offset) is known, so a damaged record is reported with file and offset;
+3. the validation split keeps or drops whole records (`keras_tfr.read.order.block_split`);
+4. shuffle: a buffer of records sized in bytes (a quarter of ``shuffle_memory``);
+5. pools of records are parsed with one batched `parse_example` (or cut by offset when
+   every record has the fixed layout), decoded with one `decode_raw` and a zero-copy
+   `bitcast` per feature, and permuted inside the pool;
+6. `rebatch` to ``batch_size`` without going through single samples.
+
+Every seed is a function of ``(seed, epoch)``: the epoch number comes from the source
+when an iterator starts (one Python call per iterator), so the order of epoch ``e`` does
+not depend on how many iterators were made. On the tf.data service, which cannot run
+Python, the service's workers draw the order per iterator instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_tfr import distribute as _distribute
+from keras_tfr.format import framing
+from keras_tfr.manifest import Manifest
+from keras_tfr.schema import (
+    COUNT_KEY,
+    FeatureSpec,
+    tf_bytes_to_feature,
+    tf_decode_feature,
+    tf_decode_variable,
+)
+
+_READ_BUFFER = 1 << 20
+_CORRUPT_HINT = (
+    "the record failed its TFRecord CRC check, or the file is truncated or unreadable; "
+    "run `keras-tfr verify` on the data set"
+)
+
+
+class GraphReader:
+    """Builds the block-mode pipeline of one source (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        manifest: Manifest,
+        specs: list[FeatureSpec],
+        keep: np.ndarray | None,
+        shuffle: bool,
+        seed: int | None,
+        deterministic: bool,
+        shuffle_bytes: int,
+        pool_bytes: int,
+        batch_size: int,
+        drop_remainder: bool,
+        num_parallel_reads: int | None,
+        on_corrupt: str,
+        report_skip: Callable[[str, int, int, int], bool],
+        service: tuple[str, str, str | None] | None,
+        fill_steps: int | None = None,
+    ):
+        self.manifest = manifest
+        self.specs = specs
+        self.keep = keep
+        self.shuffle = shuffle
+        self.seed = seed
+        self.deterministic = deterministic
+        self.shuffle_bytes = shuffle_bytes
+        self.pool_bytes = pool_bytes
+        self.batch_size = batch_size
+        self.drop_remainder = drop_remainder
+        self.num_parallel_reads = num_parallel_reads
+        self.on_corrupt = on_corrupt
+        self.report_skip = report_skip
+        self.service = service
+        self.fill_steps = fill_steps
+
+    def dataset(self, next_epoch: Callable[[], tuple[int, int]]) -> tf.data.Dataset:
+        """Batches of each new iterator's epoch, from its first batch on."""
+        if self.service is not None:
+            return self.epoch(None)
+
+        def ask():
+            epoch, start = next_epoch()
+            return np.int64(epoch), np.int64(start)
+
+        head = tf.data.Dataset.from_tensors(np.int64(0)).map(
+            lambda _: tuple(tf.numpy_function(ask, [], [tf.int64, tf.int64], stateful=True))
+        )
+        return head.flat_map(lambda epoch, start: self.epoch(epoch).skip(start))
+
+    def epoch(self, epoch: Any) -> tf.data.Dataset:
+        """One epoch's batches. With ``on_corrupt="skip"``, dropped records would shorten
+        it: it is filled from the next pass, so Keras gets exactly the steps it was given."""
+        batches = self.batches(epoch)
+        if self.fill_steps is not None:
+            batches = batches.repeat().take(self.fill_steps)
+        return batches
+
+    def batches(self, epoch: Any) -> tf.data.Dataset:
+        """The pipeline of one epoch (``epoch`` a scalar tensor, or None on the service)."""
+        m = self.manifest
+        spr = m.samples_per_record
+        specs = self.specs
+        record_bytes = max(1, m.record_bytes)
+        seed = self.seed
+
+        def op_seed(k: int) -> Any:
+            if seed is None:
+                return None
+            if epoch is None:
+                return seed * 7919 + k
+            return (seed * 7919 + k + epoch * 104729) % (2**31 - 1)
+
+        files = [m.shard_path(s) for s in m.shards]
+        first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)
+        counts = np.array([s.records for s in m.shards], dtype=np.int64)
+        if self.keep is not None:
+            # Shards with no selected record are not opened at all.
+            keep_per_shard = [bool(self.keep[f : f + c].any()) for f, c in zip(first, counts)]
+            files = [f for f, k in zip(files, keep_per_shard) if k]
+            first = first[keep_per_shard]
+            counts = counts[keep_per_shard]
+        shards = tf.data.Dataset.from_tensor_slices(
+            (tf.constant(files, tf.string), tf.constant(first), tf.constant(counts))
+        )
+        if self.shuffle:
+            shards = shards.shuffle(len(files), seed=op_seed(1), reshuffle_each_iteration=True)
+
+        keep = None if self.keep is None else tf.constant(self.keep)
+        compression = m.compression or ""
+
+        # Every full record of a fixed-layout data set has the same size and only the data
+        # set's last record can be short, so record i of a shard starts at i * frame: an
+        # `enumerate` replaces the scan of lengths, and one filter per record (instead of
+        # four functions) checks the shard's end and the split. Yields (index, record).
+        frame = framing.frame_size(m.record_bytes)
+        fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
+
+        def read_fixed_shard(path, first_record, n_records):
+            records = _records_or_empty(path, compression)
+            end = tf.data.Dataset.from_tensors(tf.constant(b""))  # records are never empty
+            indexed = records.ignore_errors().concatenate(end).enumerate()
+
+            def keep_record(i, record):
+                def at_end():
+                    ok = self._check_shard_end(path, i, i * frame, n_records, tf.constant(True))
+                    return tf.logical_and(ok, tf.equal(tf.strings.length(record), -1))
+
+                if keep is None:
+                    keep_it = lambda: tf.constant(True)  # noqa: E731
+                else:
+                    keep_it = lambda: tf.gather(keep, first_record + i)  # noqa: E731
+                return tf.cond(tf.strings.length(record) > 0, keep_it, at_end)
+
+            return indexed.filter(keep_record)
+
+        def read_shard(path, first_record, n_records):
+            if fixed_layout:
+                return read_fixed_shard(path, first_record, n_records)
+            records = _records_or_empty(path, compression)
+            # TensorFlow's reader ends a shard at its first bad record; ignore_errors turns
+            # that into a short shard, which the scan below detects, names and counts.
+            records = records.ignore_errors().map(lambda r: (r, False))
+            sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
+
+            def scan_fn(state, elem):
+                index, offset = state
+                record, is_end = elem
+                if_end_ok = self._check_shard_end(path, index, offset, n_records, is_end)
+                length = tf.cast(tf.strings.length(record), tf.int64) + framing.OVERHEAD
+                new_state = (index + 1, offset + length)
+                return new_state, (index, record, is_end, if_end_ok)
+
+            scanned = records.concatenate(sentinel).scan(
+                (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), scan_fn
+            )
+            scanned = scanned.filter(
+                lambda i, r, is_end, ok: tf.logical_and(ok, tf.logical_not(is_end))
+            )
+            if keep is not None:
+                scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
+            return scanned.map(lambda i, r, e, ok: (i, r))
+
+        cycle = self.num_parallel_reads or min(8, max(2, os.cpu_count() or 2))
+        cycle = max(1, min(cycle, len(files)))
+        if self.shuffle:
+            records = shards.interleave(
+                read_shard,
+                cycle_length=cycle,
+                block_length=1,
+                num_parallel_calls=cycle,  # not AUTOTUNE: it ramps up from one reader
+                deterministic=self.deterministic,
+            )
+            buffer_records = max(1, (self.shuffle_bytes // 4) // record_bytes)
+            records = records.shuffle(
+                min(buffer_records, m.total_records), seed=op_seed(2), reshuffle_each_iteration=True
+            )
+        else:
+            # block_length covers a whole shard, so shards come out one after another in
+            # written order while the next ones are already being read.
+            records = shards.interleave(
+                read_shard,
+                cycle_length=cycle,
+                block_length=int(max(counts.max(initial=1), 1)),
+                num_parallel_calls=cycle,
+                deterministic=True,
+            )
+
+        pool_records = max(1, self.pool_bytes // record_bytes)
+        records = records.batch(pool_records).map(lambda _, r: r)  # drop the indices
+
+        feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
+        feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
+        fixed_specs = [s for s in specs if s.kind == "fixed"]
+        variable_specs = [s for s in specs if s.kind != "fixed"]
+        for s in variable_specs:
+            feature_spec[s.lengths_key] = tf.io.FixedLenFeature([], tf.string)
+        has_short_record = m.total_samples % spr != 0
+        shuffle = self.shuffle
+
+        def parse_pool(serialized):
+            parsed = tf.io.parse_example(serialized, feature_spec)
+            decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in fixed_specs}
+            return decoded, parsed
+
+        fast_decode = None
+        if fixed_layout and not variable_specs:
+            fast_decode = _fixed_layout_decoder(specs, spr, m.record_bytes, parse_pool)
+
+        def decode_pool(serialized, rand):
+            if fast_decode is not None:
+                decoded, counts_ = fast_decode(serialized)
+                variable = {}
+            else:
+                decoded, parsed = parse_pool(serialized)
+                counts_ = parsed[COUNT_KEY]
+                # Non-fixed features decode to exactly the pool's samples (no padding).
+                variable = {
+                    s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
+                    for s in variable_specs
+                }
+            if shuffle:
+                if has_short_record:
+                    valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
+                    idx = tf.where(valid)[:, 0]
+                else:
+                    idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
+                if variable:
+                    # The same permutation as stateless_shuffle(idx), applied to both.
+                    perm = tf.random.experimental.stateless_shuffle(
+                        tf.range(tf.size(idx, out_type=tf.int64)), seed=rand
+                    )
+                    idx = tf.gather(idx, perm)
+                    variable = {k: tf.gather(v, perm) for k, v in variable.items()}
+                else:
+                    idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
+                decoded = {k: tf.gather(v, idx) for k, v in decoded.items()}
+            elif has_short_record:
+                n = tf.reduce_sum(counts_)
+                decoded = {k: v[:n] for k, v in decoded.items()}
+            decoded.update(variable)
+            return decoded
+
+        # A fixed parallelism starts the first epoch at full speed (AUTOTUNE ramps up from
+        # one call, which costs Keras a slow start at every epoch's new iterator).
+        decoders = max(2, os.cpu_count() or 2)
+        if shuffle:
+            rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
+            rng = rng.batch(2)
+            pools = tf.data.Dataset.zip((records, rng)).map(
+                decode_pool, num_parallel_calls=decoders, deterministic=self.deterministic
+            )
+        else:
+            pools = records.map(
+                lambda s: decode_pool(s, None), num_parallel_calls=decoders, deterministic=True
+            )
+        if self.service is not None:
+            # Reading, parsing and decoding run on the tf.data service workers; batches are
+            # cut here, so an epoch keeps exactly the step count Keras was given.
+            pools = _distribute.via_service(pools, *self.service)
+        batches = pools.rebatch(self.batch_size, drop_remainder=self.drop_remainder)
+        return batches
+
+    def _check_shard_end(self, path, index, offset, n_records, is_end):
+        """At a shard's end marker: True if all records were read, else raise or skip."""
+        complete = tf.logical_or(tf.logical_not(is_end), tf.equal(index, n_records))
+        if self.on_corrupt == "raise":
+            message = tf.strings.join(
+                [
+                    "keras-tfr: corrupt record in ",
+                    path,
+                    " at byte offset ",
+                    tf.strings.as_string(offset),
+                    " (record ",
+                    tf.strings.as_string(index),
+                    " of ",
+                    tf.strings.as_string(n_records),
+                    "): " + _CORRUPT_HINT,
+                ]
+            )
+            assert_op = tf.debugging.Assert(complete, [message], summarize=1)
+            with tf.control_dependencies([assert_op]):
+                return tf.identity(tf.constant(True))
+
+        def report(p, off, idx, n):
+            return np.bool_(self.report_skip(p.numpy().decode(), int(off), int(idx), int(n)))
+
+        return tf.cond(
+            complete,
+            lambda: tf.constant(True),
+            lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
+        )
+
+
+def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool):
+    """Decodes pools of full records by offset: one `decode_raw` of the whole records,
+    then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
+    copies every payload out) followed by a `decode_raw` per feature.
+
+    All full records of a data set share one layout (`BlockEncoder.fixed_layout`); every
+    non-payload byte is checked against it, so a record that is not what the manifest
+    says fails loudly. A pool holding the short last record takes the `parse_example` path.
+    Returns None when the manifest's record size does not match the layout.
+    """
+    from keras_tfr.schema import BlockEncoder
+
+    offsets, headers, length = BlockEncoder(specs).fixed_layout(spr)
+    if length != record_bytes:
+        return None
+    header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
+    header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
+
+    def fast(serialized):
+        u8 = tf.io.decode_raw(serialized, tf.uint8)  # [k, record_bytes]
+        got = tf.gather(u8, header_positions, axis=1)
+        ok = tf.reduce_all(tf.equal(got, header_bytes[None, :]))
+        check = tf.debugging.Assert(
+            ok,
+            [
+                "keras-tfr: corrupt record: a record passed its CRC check but does not have "
+                "the layout its manifest describes; the data set was modified after it was "
+                "written"
+            ],
+        )
+        with tf.control_dependencies([check]):
+            decoded = {}
+            for s in specs:
+                seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
+                decoded[s.key] = tf_bytes_to_feature(seg, s)
+        k = tf.shape(serialized, out_type=tf.int64)[0]
+        return decoded, tf.fill([k], tf.constant(spr, tf.int64))
+
+    def slow(serialized):
+        decoded, parsed = parse_pool(serialized)
+        return decoded, parsed[COUNT_KEY]
+
+    def decode(serialized):
+        full = tf.reduce_all(tf.equal(tf.strings.length(serialized), record_bytes))
+        return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
+
+    return decode
+
+
+def _records_or_empty(path, compression: str):
+    """`TFRecordDataset` of one shard; empty when the file does not exist.
+
+    A file that cannot be opened makes `ignore_errors` retry it forever (TensorFlow's
+    reader moves on after a bad record, not after a failed open), so a shard deleted after
+    the source was built would hang the pipeline. Reading nothing instead lets the
+    shard-end check name it, at byte offset 0. One glob per shard and epoch, with the
+    path's wildcard characters escaped.
+    """
+    pattern = tf.strings.regex_replace(path, r"([*?\[\]\\])", r"\\\1")
+    found = tf.io.matching_files(pattern)[:1]
+    return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)

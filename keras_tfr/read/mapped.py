@@ -1,0 +1,658 @@
+"""The memory-mapped reader: sample-level random access, one copy per byte.
+
+Used for ``access="samples"`` (the default for uncompressed data sets of fixed-size
+features on a local file system). Why: every full record of a data set has the same
+layout, so sample ``j`` of record ``r`` sits at a known byte offset. With the shards
+mapped read-only, a batch is one NumPy gather straight from the page cache into the
+buffer TensorFlow adopts: one copy per byte, as a memory-mapped ``.npy`` gathered by
+index would make, plus what an array lacks (the CRC check, the layout check).
+
+How:
+
+* **One address range.** All shards are mapped, in order, into one reserved range of
+  addresses (`_Region`), so a byte of the data set has one integer address and a unit of
+  several batches is gathered by one fancy index per feature, over a read-only
+  "sliding window" view (a row per byte offset, ``sample_bytes`` wide).
+* **Order.** `keras_tfr.read.order.SampleOrder` says which written samples each stream
+  position of an epoch holds (split, worker share, seeded shuffle); the reader only
+  follows it. Unit ``i`` covers whole batches; cutter threads cut the next units while
+  TensorFlow consumes the current one.
+* **Checks.** Before a sample of record ``r`` is handed out, record ``r`` has passed its
+  checks: it lies inside the file, its length field and the length's CRC are what the
+  layout says, the CRC-32C of its data matches (hardware CRC over the mapped bytes, in
+  place, more than 5 GB/s per core), and every non-payload byte of the Example matches
+  the layout. ``verify="first_read"`` (default) checks each record the first time this
+  source reads it, and again after its shard changes on disk (size, modification time or
+  inode, looked at when each epoch starts); ``verify="every_epoch"`` checks every record
+  again in every epoch (one more read pass over the data per epoch).
+* **Damage.** ``on_corrupt="raise"`` stops with the file, byte offset and record.
+  ``"skip"`` drops the damaged record's samples and fills their places with other
+  samples of the same share, drawn at random (seeded), so the epoch keeps its step
+  count; draws are bounded, so a data set whose records are all damaged ends with an
+  error instead of looping.
+* **Hand-off.** Units are gathered into recycled 64-byte-aligned buffers, which
+  TensorFlow adopts without a copy; a buffer is reused once nothing refers to it any
+  more (a weak-reference finalizer on the array handed out, not a reference count).
+  Each iterator (Keras makes one per epoch) owns its threads and releases them when it
+  ends or is dropped; nothing is read ahead past an iterator.
+* **Memory maps and truncation.** A shard replaced on disk (written anew and renamed
+  over, as keras-tfr's writer does) keeps its old mapping until the next epoch starts,
+  where the change is found and the shard is mapped again and checked again. A shard
+  cut short *in place* while it is mapped makes any access past its new end fail with
+  SIGBUS, as it would for `np.memmap`; the reader guards against it where it can (sizes
+  are checked when each epoch starts, and records past a file's end are never touched),
+  see docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import queue
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from keras_tfr import _crc
+from keras_tfr.format import framing
+from keras_tfr.read.order import SampleOrder
+from keras_tfr.schema import BlockEncoder, FeatureSpec
+
+_ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
+_UNIT_BYTES = 8 << 20  # what one cutter call gathers: several batches
+_CHUNK_BYTES = 256 << 10  # gather in cache-sized pieces, then copy into the aligned unit
+_MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
+_TRUNCATED = "the file ends inside this record (truncated)"
+_PROT_READ = 1
+_MAP_FIXED = 0x10  # the same value on Linux and macOS
+
+
+def available() -> bool:
+    """Whether this platform can map shards into one address range."""
+    if sys.platform not in ("linux", "darwin"):
+        return False
+    try:
+        from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return False
+    return _libc() is not None
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int64,
+            ]
+            libc.munmap.restype = ctypes.c_int
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        except (OSError, AttributeError):  # pragma: no cover
+            return None
+        _LIBC = libc
+    return _LIBC
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class _Layout:
+    """Where the bytes of a record of ``count`` samples sit in its frame."""
+
+    def __init__(self, specs: list[FeatureSpec], count: int):
+        offsets, headers, length = BlockEncoder(specs).fixed_layout(count)
+        self.count = count
+        self.length = length
+        self.frame = framing.frame_size(length)
+        h = framing.HEADER_BYTES
+        # Per spec: offset of its first sample inside the frame.
+        self.feature_offsets = np.array([h + offsets[s.key] for s in specs], dtype=np.int64)
+        # Every byte of the frame that is not payload or the final CRC, and its value.
+        positions = [np.arange(h)]
+        expected = [np.frombuffer(framing.header(length), dtype=np.uint8)]
+        for o, b in headers:
+            positions.append(np.arange(h + o, h + o + len(b)))
+            expected.append(np.frombuffer(b, dtype=np.uint8))
+        self.meta_positions = np.concatenate(positions)
+        self.meta_expected = np.concatenate(expected)
+
+
+def frame_bytes(specs: list[FeatureSpec], samples_per_record: int) -> int:
+    """Size of a full record's frame (TFRecord framing included)."""
+    return _Layout(specs, samples_per_record).frame
+
+
+# --------------------------------------------------------------------------- region
+
+
+class _Region:
+    """Every shard mapped read-only, in order, into one reserved range of addresses.
+
+    Each shard starts on a page boundary; ``starts[k]`` is shard ``k``'s offset in the
+    range. Pages past a file's end are never touched (records are checked against the
+    file's size first). Unmapped when the region is closed or collected.
+    """
+
+    def __init__(self, files: list[str], sizes: list[int]):
+        libc = _libc()
+        page = mmap.PAGESIZE
+        slots = [max(page, -(-int(s) // page) * page) for s in sizes]
+        self.files = files
+        self.total = int(sum(slots))
+        self.starts = np.cumsum([0, *slots])[:-1].astype(np.int64)
+        anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        base = libc.mmap(None, self.total, 0, anon, -1, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"keras-tfr: cannot reserve {self.total} bytes of addresses")
+        self.base = int(base)
+        self._closer = weakref.finalize(self, libc.munmap, self.base, self.total)
+        self.sizes = np.zeros(len(files), dtype=np.int64)  # bytes mapped of each file
+        self.signatures: list[tuple[int, int, int] | None] = [None] * len(files)
+        for k in range(len(files)):
+            self.map(k)
+        buf = (ctypes.c_uint8 * self.total).from_address(self.base)
+        self.array = np.frombuffer(buf, dtype=np.uint8)
+        self.array.flags.writeable = False
+
+    def map(self, k: int) -> None:
+        """Maps shard ``k`` (again) over its slot; a missing file leaves the slot empty."""
+        path = self.files[k]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            self.sizes[k] = 0
+            self.signatures[k] = None
+            return
+        try:
+            st = os.fstat(fd)
+            slot = int((self.starts[k + 1] if k + 1 < len(self.starts) else self.total) - self.starts[k])
+            size = min(int(st.st_size), slot)
+            # Anonymous zero pages under the whole slot first: a remapped shard that shrank
+            # leaves no stale mapping of the old file past its new end.
+            anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+            _libc().mmap(self.base + int(self.starts[k]), slot, _PROT_READ, anon, -1, 0)
+            if size > 0:
+                got = _libc().mmap(
+                    self.base + int(self.starts[k]),
+                    size,
+                    _PROT_READ,
+                    mmap.MAP_SHARED | _MAP_FIXED,
+                    fd,
+                    0,
+                )
+                if got != self.base + int(self.starts[k]):
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"keras-tfr: cannot map {path}: {os.strerror(err)}")
+            self.sizes[k] = size
+            self.signatures[k] = _signature(st)
+        finally:
+            os.close(fd)
+
+    def changed(self) -> list[int]:
+        """Shards whose file on disk is no longer the one mapped (size, mtime, inode)."""
+        out = []
+        for k, path in enumerate(self.files):
+            try:
+                sig: tuple[int, int, int] | None = _signature(os.stat(path))
+            except OSError:
+                sig = None
+            if sig != self.signatures[k]:
+                out.append(k)
+        return out
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    return (int(st.st_size), int(st.st_mtime_ns), int(st.st_ino))
+
+
+# --------------------------------------------------------------------------- plan
+
+
+class MappedPlan:
+    """Everything the epochs of one source share: layout, order, mapping, checks."""
+
+    def __init__(
+        self,
+        *,
+        specs: list[FeatureSpec],
+        files: list[str],
+        shard_records: list[int],
+        shard_bytes: list[int],
+        samples_per_record: int,
+        total_samples: int,
+        order: SampleOrder,
+        num_batches: int,
+        batch_size: int,
+        readers: int,
+        verify: str,
+        skip: Callable[[str, int, int, int, str], None] | None,
+    ):
+        self.specs = specs
+        self.files = files
+        self.shard_records = [int(r) for r in shard_records]
+        self.shard_bytes = [int(b) for b in shard_bytes]
+        self.spr = int(samples_per_record)
+        self.total_samples = int(total_samples)
+        self.order = order
+        self.num_batches = int(num_batches)
+        self.batch_size = int(batch_size)
+        self.total_rows = min(order.size, self.num_batches * self.batch_size)
+        self.readers = max(1, int(readers))
+        self.verify = verify
+        self.skip = skip
+        self.sample_bytes = [s.sample_bytes for s in specs]
+        self.batch_bytes = batch_bytes = batch_size * sum(self.sample_bytes)
+        self.unit_batches = max(1, min(self.num_batches, _UNIT_BYTES // max(1, batch_bytes)))
+        self.unit_rows = self.unit_batches * batch_size
+        self.full = _Layout(specs, self.spr)
+        total_records = int(sum(self.shard_records))
+        self.total_records = total_records
+        last = self.total_samples - (total_records - 1) * self.spr if total_records else self.spr
+        self.short = _Layout(specs, last) if last != self.spr else None
+        self.shard_of = np.repeat(
+            np.arange(len(files), dtype=np.int64), self.shard_records
+        )  # per record
+        first = np.cumsum([0, *self.shard_records])[:-1].astype(np.int64)
+        self.index_in_shard = np.arange(total_records, dtype=np.int64) - first[self.shard_of]
+        self._region: _Region | None = None
+        self._region_lock = threading.Lock()
+        self._record_base: np.ndarray | None = None
+        # Per record: 0 unchecked, 1 good, 2 damaged. Claimed records are being checked.
+        self.state = np.zeros(total_records, dtype=np.uint8)
+        self._claimed = np.zeros(total_records, dtype=bool)
+        self._check_lock = threading.Condition()
+        self.buffers = [_Buffers(self.unit_rows, sb) for sb in self.sample_bytes]
+        self.windows: list[np.ndarray] = []
+
+    # ---------------------------------------------------------------- mapping
+
+    def region(self) -> _Region:
+        with self._region_lock:
+            if self._region is None:
+                self._region = _Region(self.files, self.shard_bytes)
+                arr = self._region.array
+                self.windows = [
+                    np.lib.stride_tricks.as_strided(
+                        arr, shape=(max(1, len(arr) - sb + 1), sb), strides=(1, 1), writeable=False
+                    )
+                    for sb in self.sample_bytes
+                ]
+                self._record_base = (
+                    self._region.starts[self.shard_of] + self.index_in_shard * self.full.frame
+                )
+            return self._region
+
+    def begin_epoch(self) -> None:
+        """Called when an epoch starts: finds shards changed on disk and forgets checks."""
+        region = self.region()
+        changed = region.changed()
+        with self._check_lock:
+            for k in changed:
+                region.map(k)
+                self.state[self.shard_of == k] = 0
+            if self.verify == "every_epoch":
+                self.state[self.state == 1] = 0
+
+    def locate(self, record: int) -> tuple[str, int, int, int]:
+        """``(path, byte offset, index in shard, records in shard)`` of a record."""
+        k = int(self.shard_of[record])
+        index = int(self.index_in_shard[record])
+        return self.files[k], index * self.full.frame, index, self.shard_records[k]
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_record(self, record: int) -> str | None:
+        """The problem with one record, or None when it is sound."""
+        region = self.region()
+        layout = self.short if (self.short is not None and record == self.total_records - 1) else self.full
+        k = int(self.shard_of[record])
+        start = int(self.index_in_shard[record]) * self.full.frame
+        if region.signatures[k] is None:
+            return "the file cannot be opened (missing or unreadable)"
+        if start + layout.frame > int(region.sizes[k]):
+            return _TRUNCATED
+        at = int(region.starts[k]) + start
+        frame = region.array[at : at + layout.frame]
+        h = framing.HEADER_BYTES
+        if not np.array_equal(frame[:h], layout.meta_expected[:h]):
+            return "its length field or the length's CRC is damaged"
+        crc = framing.masked(_crc.crc32c([frame[h : h + layout.length]]))
+        if crc != int(frame[h + layout.length :].view("<u4")[0]):
+            return "the record failed its TFRecord CRC check"
+        if not np.array_equal(frame[layout.meta_positions], layout.meta_expected):
+            return (
+                "the record passed its CRC check but does not have the layout its manifest "
+                "describes; the data set was modified after it was written"
+            )
+        return None
+
+    def ensure_checked(self, records: np.ndarray) -> np.ndarray:
+        """Checks the (unique) records not yet checked; returns the damaged among them.
+
+        Threads that need the same records share the work: each claims a few unchecked
+        records at a time, and waits for the ones others are checking.
+        """
+        state = self.state
+        while True:
+            with self._check_lock:
+                todo = records[state[records] == 0]
+                if not len(todo):
+                    break
+                mine = todo[~self._claimed[todo]][:8]
+                if not len(mine):
+                    self._check_lock.wait(0.05)
+                    continue
+                self._claimed[mine] = True
+            results: list[str | None] = []
+            try:
+                results = [self._check_record(int(r)) for r in mine]
+            finally:
+                with self._check_lock:
+                    for r, problem in zip(mine, results):
+                        state[r] = 1 if problem is None else 2
+                    self._claimed[mine] = False
+                    self._check_lock.notify_all()
+            for r, problem in zip(mine, results):
+                if problem is not None:
+                    self._damaged(int(r), problem)
+        bad = records[state[records] == 2]
+        if len(bad) and self.skip is None:
+            self._damaged(int(bad[0]), self._check_record(int(bad[0])) or "damaged")
+        return bad
+
+    def _damaged(self, record: int, problem: str) -> None:
+        path, offset, index, n_records = self.locate(record)
+        if self.skip is None:
+            raise ValueError(
+                f"keras-tfr: corrupt record in {path} at byte offset {offset} "
+                f"(record {index} of {n_records}): {problem}; run `keras-tfr verify` on "
+                "the data set"
+            )
+        self.skip(path, offset, index, n_records, problem)
+
+    # ---------------------------------------------------------------- gather
+
+    def good_samples(self, ids: np.ndarray, epoch: int, unit: int) -> np.ndarray:
+        """``ids`` with every sample of a damaged record replaced (skip mode), checked."""
+        records = ids // self.spr
+        bad = self.ensure_checked(np.unique(records))
+        if not len(bad):
+            return ids
+        rng = np.random.default_rng([self.order.seed & 0xFFFFFFFF, epoch, unit, 7])
+        for _ in range(_MAX_DRAWS):
+            holes = np.flatnonzero(self.state[ids // self.spr] == 2)
+            if not len(holes):
+                return ids
+            draws = self.order.subset_samples(rng.integers(0, self.order.size, len(holes)))
+            ids = ids.copy() if not ids.flags.writeable else ids
+            ids[holes] = draws
+            self.ensure_checked(np.unique(draws // self.spr))
+        path = self.files[0] if len(self.files) == 1 else f"{len(self.files)} shards"
+        raise ValueError(
+            f"keras-tfr: corrupt record: with on_corrupt='skip', {_MAX_DRAWS} rounds of "
+            f"replacement draws found only damaged records in {path}; the data set is "
+            "unreadable. Run `keras-tfr verify` on the data set"
+        )
+
+    def gather(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Rows of ``ids`` (checked, written sample indices), per feature, in an aligned
+        buffer that TensorFlow adopts without a copy."""
+        self.region()
+        assert self._record_base is not None
+        records, j = np.divmod(ids, self.spr)
+        base = self._record_base[records]
+        if self.short is not None:
+            is_short = records == self.total_records - 1
+        outs = []
+        for f, (sb, window, buffers) in enumerate(zip(self.sample_bytes, self.windows, self.buffers)):
+            offsets = base + self.full.feature_offsets[f] + j * sb
+            if self.short is not None and is_short.any():
+                offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
+            out = buffers.take(len(ids))
+            step = max(1, _CHUNK_BYTES // sb)
+            for a in range(0, len(ids), step):
+                out[a : a + step] = window[offsets[a : a + step]]
+            outs.append(out)
+        return outs
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+class Epoch:
+    """One iterator over the source: epoch ``number`` from batch ``start_batch`` on."""
+
+    def __init__(self, plan: MappedPlan, number: int, start_batch: int = 0):
+        self.plan = plan
+        self.number = number
+        self.first_row = min(plan.total_rows, start_batch * plan.batch_size)
+        self.num_units = -(-(plan.total_rows - self.first_row) // plan.unit_rows)
+        self._pool = _DaemonPool(plan.readers, "keras_tfr_read")
+        self._lock = threading.Lock()
+        self._units: dict[int, Future] = {}
+        self._next_unit = 0
+        self._tail: list[np.ndarray] | None = None
+        self._closed = False
+        self._started = False
+
+    def unit(self, i: int) -> list[np.ndarray]:
+        plan = self.plan
+        lo = self.first_row + i * plan.unit_rows
+        hi = min(lo + plan.unit_rows, plan.total_rows)
+        ids = plan.order.samples(self.number, lo, hi)
+        ids = plan.good_samples(ids, self.number, i)
+        return plan.gather(ids)
+
+    def _submit(self, k: int) -> None:
+        for q in range(k, min(k + 1 + self.plan.readers, self.num_units)):
+            if q not in self._units:
+                self._units[q] = self._pool.submit(self.unit, q)
+
+    def next_unit(self) -> list[np.ndarray]:
+        if not self._started:
+            self._started = True
+            self.plan.begin_epoch()
+        k = self._next_unit
+        if k >= self.num_units:
+            raise StopIteration
+        self._next_unit = k + 1
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            self._submit(k)
+            fut = self._units.pop(k)
+        return fut.result()
+
+    def next_block(self) -> list[np.ndarray]:
+        """The next block of batches, ``[batches, rows, sample_bytes]`` per feature: a whole
+        unit (no copy), and a unit's last, partial batch on its own."""
+        if self._tail is not None:
+            block, self._tail = self._tail, None
+            return block
+        unit = self.next_unit()
+        b = self.plan.batch_size
+        rows = len(unit[0])
+        full = rows - rows % b
+        if full == rows:
+            return [u.reshape(-1, b, u.shape[1]) for u in unit]
+        tail = [u[full:].reshape(1, rows - full, u.shape[1]) for u in unit]
+        if full == 0:
+            return tail
+        self._tail = tail
+        return [u[:full].reshape(-1, b, u.shape[1]) for u in unit]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for fut in self._units.values():
+                fut.cancel()
+            self._units.clear()
+        self._pool.shutdown()
+
+
+class _DaemonPool:
+    """A minimal pool of daemon threads, started on first use.
+
+    `concurrent.futures.ThreadPoolExecutor` joins its threads at interpreter exit; these
+    threads only read and copy, so dropping them at exit loses nothing, and an iterator
+    abandoned mid-epoch never holds the exit.
+    """
+
+    def __init__(self, workers: int, name: str):
+        self._workers = max(1, workers)
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("keras-tfr: the iterator was closed")
+            if len(self._threads) < self._workers:
+                t = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancels what has not started, lets running work finish, and joins."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in threads:
+            self._queue.put(None)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+class _Lease(np.ndarray):
+    """A unit buffer handed out. Views of it keep it alive (NumPy stops collapsing a view
+    chain at a change of array type), so its finalizer runs only once nothing, TensorFlow's
+    adopted tensors included, refers to the buffer any more."""
+
+
+class _Buffers:
+    """Hands out ``[rows, cols]`` uint8 arrays, 64-byte aligned, reusing returned ones.
+
+    Fresh memory costs a page fault per 4 KB; recycled buffers do not. A buffer comes back
+    through a `weakref.finalize` on the array handed out, which holds on any Python
+    version (no assumption about reference counts).
+    """
+
+    def __init__(self, rows: int, cols: int):
+        self._rows, self._cols = rows, cols
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self.allocated = 0
+
+    def take(self, rows: int) -> np.ndarray:
+        n = self._rows * self._cols
+        try:
+            raw = self._free.get_nowait()
+        except queue.Empty:
+            raw = np.empty(n + _ALIGN, dtype=np.uint8)
+            self.allocated += 1
+        off = (-raw.ctypes.data) % _ALIGN
+        lease = raw[off : off + rows * self._cols].reshape(rows, self._cols).view(_Lease)
+        weakref.finalize(lease, self._free.put, raw)
+        return lease
+
+
+# --------------------------------------------------------------------------- tf.data
+
+
+_registry: dict[int, Epoch] = {}
+_registry_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
+    """A `tf.data.Dataset` of batches: a tuple of uint8 ``[rows, sample_bytes]`` tensors,
+    one per spec (in ``plan.specs`` order). ``next_epoch()`` gives each new iterator its
+    ``(epoch, first batch)``."""
+    import tensorflow as tf
+    from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
+
+    def init(_unused):
+        number, start = next_epoch()
+        eid = next(_ids)
+        with _registry_lock:
+            _registry[eid] = Epoch(plan, number, start)
+        return np.int64(eid)
+
+    def next_block(eid):
+        epoch = _registry.get(int(eid))
+        if epoch is None:  # pragma: no cover - the iterator is gone
+            raise StopIteration
+        return epoch.next_block()
+
+    def finalize(eid):
+        with _registry_lock:
+            epoch = _registry.pop(int(eid), None)
+        if epoch is not None:
+            epoch.close()
+        return np.int64(0)
+
+    n_specs = len(plan.specs)
+    spec = tuple(tf.TensorSpec([None, None, sb], tf.uint8) for sb in plan.sample_bytes)
+
+    def cut(eid):
+        outs = tf.numpy_function(next_block, [eid], [tf.uint8] * n_specs, stateful=True)
+        return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
+
+    # One Python call per unit (about 8 MB); `from_tensor_slices` then hands out its
+    # batches as slices of the adopted buffer (TensorFlow aliases aligned slices instead
+    # of copying them).
+    blocks = _GeneratorDataset(
+        np.int64(0),
+        lambda d: tf.numpy_function(init, [d], tf.int64, stateful=True),
+        cut,
+        lambda e: tf.numpy_function(finalize, [e], tf.int64, stateful=True),
+        spec,
+    )
+    return blocks.flat_map(lambda *t: tf.data.Dataset.from_tensor_slices(t))

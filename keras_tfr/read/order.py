@@ -1,0 +1,212 @@
+"""Which samples an epoch reads, and in which order: the split, the shares and the shuffle.
+
+Everything here is a pure function of the data set's size, the source's options, the
+``seed`` and the epoch number: no state, no TensorFlow, and memory that does not grow
+with the data set. It is the one place where the validation split, the per-worker shares
+and the shuffle are defined; the readers only follow it.
+
+Sample mode (``access="samples"``, the default where random access is cheap):
+
+* **Split.** A seeded permutation ``S`` of all ``n`` written samples (a bijection computed
+  per index, see `Permutation`). The validation subset is ``S(0) .. S(v - 1)`` with
+  ``v = int(validation_split * n)`` (at least 1, at most ``n - 1``), as Keras' own
+  ``*_dataset_from_directory`` utilities count it; the training subset is the rest. Both
+  subsets are drawn across the whole data set, so a class-sorted array gives a
+  representative validation set. Without a split the subset is the written order.
+* **Shares.** With ``num_workers``, the subset's positions are cut into ``num_workers``
+  contiguous runs whose sizes differ by at most one; every worker gets the same step count.
+* **Shuffle.** Epoch ``e`` reads its share in the order of a permutation ``Q(seed, e)``,
+  so the order of an epoch depends only on ``(seed, e)``; the samples of each batch are
+  then sorted by position on disk (the batch is the same set, and reading it in file
+  order is kinder to the page cache), as a memory-mapped array gathered by a sorted index
+  would be.
+
+Block mode (``access="blocks"``: remote storage, compressed shards, the tf.data service)
+reads whole records in sequence; its split assigns whole records and its shuffle is the
+graph reader's (shards, a buffer of records, pools of samples). See `block_split`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Permutation", "SampleOrder", "block_split", "validation_count"]
+
+_U64 = np.uint64
+_MIX1 = _U64(0xBF58476D1CE4E5B9)
+_MIX2 = _U64(0x94D049BB133111EB)
+_ROUNDS = 6  # alternating halves: three rounds each
+
+# Domain tags, so that the split, the shuffle and the in-batch order never share keys.
+_SPLIT, _SHUFFLE = 1, 2
+
+
+def _round_keys(key: Sequence[int]) -> np.ndarray:
+    """Round keys derived from an arbitrary tuple of non-negative ints."""
+    seq = np.random.SeedSequence([int(k) & 0xFFFFFFFFFFFFFFFF for k in key])
+    return seq.generate_state(_ROUNDS, dtype=np.uint64)
+
+
+class Permutation:
+    """A seeded bijection of ``[0, n)``, evaluated per index in O(1) memory.
+
+    A Feistel-type network over the ``b`` bits that cover ``n`` (``b - 1 < log2(n) <= b``):
+    an index is cut into a high and a low part, and each round XORs one part with a keyed
+    hash (a multiply-xorshift mix) of the other. Each round can be undone, so the network
+    is a bijection of ``[0, 2**b)``; indices that land at ``n`` or above are mapped again
+    until they land inside (cycle walking, fewer than two rounds on average since
+    ``2**b < 2n``). Grain's index sampler shuffles the same way, so a data set of a
+    billion samples needs no billion-entry array per epoch.
+
+    Example:
+        >>> p = Permutation(10, key=(0,))
+        >>> sorted(p(np.arange(10)).tolist()) == list(range(10))
+        True
+    """
+
+    def __init__(self, n: int, key: Sequence[int]):
+        if n < 0:
+            raise ValueError(f"Expected `n` >= 0. Received: {n}")
+        self.n = int(n)
+        bits = max(2, (self.n - 1).bit_length())
+        self._low = _U64(bits - bits // 2)
+        self._low_mask = _U64((1 << int(self._low)) - 1)
+        self._high_mask = _U64((1 << (bits // 2)) - 1)
+        self._keys = _round_keys(key)
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        low_bits = self._low
+        high, low = x >> low_bits, x & self._low_mask
+        for r, k in enumerate(self._keys):
+            if r % 2 == 0:
+                h = (high ^ k) * _MIX1
+                low = low ^ ((h ^ (h >> _U64(29))) * _MIX2 >> _U64(32)) & self._low_mask
+            else:
+                h = (low ^ k) * _MIX1
+                high = high ^ ((h ^ (h >> _U64(29))) * _MIX2 >> _U64(32)) & self._high_mask
+        return (high << low_bits) | low
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The permuted index of each position (``int64``, same shape)."""
+        x = np.asarray(positions, dtype=np.int64)
+        if x.size and (x.min() < 0 or x.max() >= self.n):
+            raise IndexError(f"positions must lie in [0, {self.n})")
+        n = _U64(self.n)
+        with np.errstate(over="ignore"):
+            y = self._rounds(x.astype(np.uint64))
+            out = np.flatnonzero(y >= n)
+            while len(out):  # cycle walking
+                z = self._rounds(y[out])
+                y[out] = z
+                out = out[z >= n]
+        return y.astype(np.int64)
+
+
+def validation_count(split: float, n: int) -> int:
+    """Validation samples out of ``n``: ``int(split * n)``, at least 1, at most ``n - 1``."""
+    return min(max(1, int(split * n)), n - 1)
+
+
+class SampleOrder:
+    """The samples one source reads, per epoch, in order (sample mode).
+
+    Args:
+        total: samples written in the data set.
+        seed: the source's seed (None: drawn once, so one process still gets a fixed
+            order per epoch number).
+        validation_split, subset: as on the source.
+        num_workers, worker_index: this worker's share (or None).
+        shuffle: whether each epoch reads its share in a new order.
+        batch_size: batches are sorted inside when shuffling.
+
+    Example:
+        >>> order = SampleOrder(1000, seed=0, validation_split=0.2, subset="validation",
+        ...                     shuffle=False, batch_size=32)
+        >>> order.size
+        200
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        seed: int | None,
+        validation_split: float | None = None,
+        subset: str | None = None,
+        num_workers: int | None = None,
+        worker_index: int | None = None,
+        shuffle: bool,
+        batch_size: int,
+    ):
+        self.total = int(total)
+        self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy)
+        self.shuffle = bool(shuffle)
+        self.batch_size = int(batch_size)
+        # The subset as a run [lo, hi) of positions of the split permutation (or of the
+        # written order when there is no split).
+        lo, hi = 0, self.total
+        self._split: Permutation | None = None
+        if validation_split is not None:
+            n_val = validation_count(validation_split, self.total)
+            self._split = Permutation(self.total, key=(self.seed, _SPLIT))
+            lo, hi = (0, n_val) if subset == "validation" else (n_val, self.total)
+        if num_workers is not None and worker_index is not None:
+            n = hi - lo
+            lo, hi = lo + n * worker_index // num_workers, lo + n * (worker_index + 1) // num_workers
+        self._lo, self._hi = lo, hi
+
+    @property
+    def size(self) -> int:
+        """Samples in this share of this subset (read once per epoch)."""
+        return self._hi - self._lo
+
+    def subset_samples(self, positions: np.ndarray) -> np.ndarray:
+        """Written sample index of each position of this share (0 to ``size - 1``)."""
+        p = positions + self._lo
+        return p if self._split is None else self._split(p)
+
+    def samples(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Written indices of the epoch's stream positions ``[start, stop)``, batch by batch.
+
+        ``start`` must fall on a batch boundary; inside each batch the indices are sorted
+        when shuffling (the same set of samples, read in file order).
+        """
+        stop = min(stop, self.size)
+        positions = np.arange(start, stop, dtype=np.int64)
+        if self.shuffle and self.size > 1:
+            positions = Permutation(self.size, key=(self.seed, _SHUFFLE, epoch))(positions)
+        ids = self.subset_samples(positions)
+        if self.shuffle or self._split is not None:
+            b = self.batch_size
+            full = (len(ids) // b) * b
+            ids[:full].reshape(-1, b).sort(axis=1)
+            ids[full:].sort()
+        return ids
+
+    def epoch(self, epoch: int) -> np.ndarray:
+        """All of the epoch's written indices in order (``size`` of them)."""
+        return self.samples(epoch, 0, self.size)
+
+
+def block_split(
+    total_records: int, split: float, subset: str, seed: int, directory: str
+) -> np.ndarray:
+    """Block mode's split: a boolean mask over records (whole records are assigned).
+
+    A seeded permutation of the records; the first ``round(split * records)`` of it (at
+    least one, at most all but one) are validation. The unit is the record, so the split
+    is exact in records and approximate in samples, and a data set needs 2 records.
+    """
+    if total_records < 2:
+        raise ValueError(
+            f"`validation_split` with access='blocks' assigns whole records and needs at "
+            f"least 2; {directory} holds {total_records}. Use access='samples' (local, "
+            "uncompressed data), or write with a smaller `samples_per_record`."
+        )
+    n_val = min(max(1, round(split * total_records)), total_records - 1)
+    perm = np.random.default_rng(seed).permutation(total_records)
+    is_val = np.zeros(total_records, dtype=bool)
+    is_val[perm[:n_val]] = True
+    return is_val if subset == "validation" else ~is_val

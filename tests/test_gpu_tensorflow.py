@@ -1,0 +1,336 @@
+"""`keep_tensorflow_off_gpus`: TensorFlow gets no GPU under the JAX and torch backends.
+
+This machine has no GPU, so TensorFlow's device calls are replaced by a fake that keeps
+TensorFlow's rules (``set_visible_devices`` refuses a change once the runtime started).
+The subprocess tests run each Keras backend for real; the last one checks our translation
+of TensorFlow's own refusal, with the CPU standing in for a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+from keras_tfr import gpu as gpu_module
+from keras_tfr import limit_gpu_memory
+from keras_tfr.gpu import ENV_TF_GPU, TensorFlowGpuWarning, keep_tensorflow_off_gpus
+
+PY = sys.executable
+REFUSAL = "Visible devices cannot be modified after being initialized"  # TensorFlow's text
+
+
+class FakeConfig:
+    """``tf.config``'s device calls with TensorFlow's rules, over a made-up device list."""
+
+    def __init__(self, gpus: int = 2, visible: int | None = None, started: bool = False):
+        self.gpus = [f"/physical_device:GPU:{i}" for i in range(gpus)]
+        self.visible = list(self.gpus if visible is None else self.gpus[:visible])
+        self.started = started
+        self.calls: list[tuple] = []
+
+    def list_physical_devices(self, device_type=None):
+        self.calls.append(("list_physical_devices", device_type))
+        assert device_type == "GPU"
+        return list(self.gpus)
+
+    def get_visible_devices(self, device_type=None):
+        self.calls.append(("get_visible_devices", device_type))
+        assert device_type == "GPU"
+        return list(self.visible)
+
+    def set_visible_devices(self, devices, device_type=None):
+        self.calls.append(("set_visible_devices", list(devices), device_type))
+        if devices == self.visible:
+            return  # TensorFlow accepts a repeat of the current setting
+        if self.started:
+            raise RuntimeError(REFUSAL)
+        self.visible = list(devices)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process in which nothing was decided yet and the opt-out is unset."""
+    monkeypatch.setattr(gpu_module, "_TF_GPUS", None)
+    monkeypatch.delenv(ENV_TF_GPU, raising=False)
+    monkeypatch.delenv(gpu_module.ENV_MEGABYTES, raising=False)
+    monkeypatch.delenv(gpu_module.ENV_FRACTION, raising=False)
+
+
+def _use(monkeypatch, backend: str, config: FakeConfig) -> list[str]:
+    """Makes `backend` the Keras backend and `config` TensorFlow's devices; returns the
+    list of backend reads (to show that a second call decides nothing again)."""
+    import tensorflow as tf
+
+    reads: list[str] = []
+
+    def read_backend() -> str:
+        reads.append(backend)
+        return backend
+
+    monkeypatch.setattr(gpu_module, "_keras_backend", read_backend)
+    for name in ("list_physical_devices", "get_visible_devices", "set_visible_devices"):
+        monkeypatch.setattr(tf.config, name, getattr(config, name))
+    return reads
+
+
+# -- the decision, in this process --------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch", "numpy"])
+def test_hides_the_gpus_under_other_backends_once(fresh, monkeypatch, caplog, backend):
+    config = FakeConfig(gpus=2)
+    reads = _use(monkeypatch, backend, config)
+    with caplog.at_level("INFO", logger="keras_tfr.gpu"):
+        assert keep_tensorflow_off_gpus() == "hidden"
+    assert config.visible == []
+    assert config.calls == [
+        ("list_physical_devices", "GPU"),
+        ("get_visible_devices", "GPU"),
+        ("set_visible_devices", [], "GPU"),
+    ]
+    assert [r.getMessage() for r in caplog.records if r.name == "keras_tfr.gpu"] == [
+        f"keras-tfr: hid 2 GPU(s) from TensorFlow: Keras trains on "
+        f"{gpu_module._BACKEND_NAMES.get(backend, backend)}, and the tf.data pipeline runs "
+        "on the CPU (KERAS_TFR_TF_GPU=1 keeps them)."
+    ]
+    # The second call answers from memory: no backend read, no TensorFlow call.
+    assert keep_tensorflow_off_gpus() == "hidden"
+    assert len(reads) == 1 and len(config.calls) == 3
+
+
+def test_tensorflow_backend_keeps_its_devices(fresh, monkeypatch):
+    config = FakeConfig(gpus=2)
+    _use(monkeypatch, "tensorflow", config)
+    monkeypatch.setenv(ENV_TF_GPU, "not read with the TensorFlow backend")
+    assert keep_tensorflow_off_gpus() == "tensorflow-backend"
+    assert config.calls == []  # not even a query
+    assert config.visible == config.gpus
+
+
+def test_already_started_tensorflow_gets_one_clear_warning(fresh, monkeypatch):
+    config = FakeConfig(gpus=1, started=True)
+    _use(monkeypatch, "jax", config)
+    with pytest.warns(TensorFlowGpuWarning) as record:
+        assert keep_tensorflow_off_gpus() == "too-late"
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert message.startswith(
+        "keras-tfr could not hide the GPUs from TensorFlow: TensorFlow already started on "
+        f"['/physical_device:GPU:0'] in this process ({REFUSAL}), so it holds GPU memory "
+        "that the Keras JAX backend now lacks"
+    )
+    assert "Fix the call order" in message
+    assert "keep_tensorflow_off_gpus()" in message and "limit_gpu_memory" in message
+    assert "tf.config.set_visible_devices([], 'GPU')` right after `import tensorflow`" in message
+    assert f"Set {ENV_TF_GPU}=1 if TensorFlow is meant to use the GPUs" in message
+    assert config.visible == config.gpus  # TensorFlow refused; nothing changed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would fail here
+        assert keep_tensorflow_off_gpus() == "too-late"
+
+
+@pytest.mark.parametrize("value", ["1", "true", " TRUE ", "yes"])
+def test_opt_out_keeps_tensorflow_on_the_gpus(fresh, monkeypatch, value):
+    config = FakeConfig(gpus=2)
+    _use(monkeypatch, "jax", config)
+    monkeypatch.setenv(ENV_TF_GPU, value)
+    assert keep_tensorflow_off_gpus() == "opted-out"
+    assert config.calls == [] and config.visible == config.gpus
+
+
+@pytest.mark.parametrize("value", ["0", "false", "", "No"])
+def test_opt_out_off_values_hide(fresh, monkeypatch, value):
+    config = FakeConfig(gpus=1)
+    _use(monkeypatch, "torch", config)
+    monkeypatch.setenv(ENV_TF_GPU, value)
+    assert keep_tensorflow_off_gpus() == "hidden"
+    assert config.visible == []
+
+
+def test_invalid_opt_out_is_named(fresh, monkeypatch):
+    config = FakeConfig(gpus=1)
+    _use(monkeypatch, "jax", config)
+    monkeypatch.setenv(ENV_TF_GPU, "maybe")
+    with pytest.raises(ValueError, match=r"KERAS_TFR_TF_GPU to be 1 .*Received: 'maybe'"):
+        keep_tensorflow_off_gpus()
+    assert config.calls == [] and gpu_module._TF_GPUS is None  # nothing decided
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [(FakeConfig(gpus=0), "no-gpu"), (FakeConfig(gpus=2, visible=0), "already-hidden")],
+)
+def test_nothing_to_hide(fresh, monkeypatch, config, expected):
+    _use(monkeypatch, "jax", config)
+    assert keep_tensorflow_off_gpus() == expected
+    assert not [c for c in config.calls if c[0] == "set_visible_devices"]
+
+
+def test_without_tensorflow(fresh, monkeypatch):
+    monkeypatch.setattr(gpu_module, "_keras_backend", lambda: "torch")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` fails
+    assert keep_tensorflow_off_gpus() == "no-tensorflow"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_limit_gpu_memory_applies_it(fresh, monkeypatch, backend):
+    if backend == "torch":
+        pytest.importorskip("torch", reason="torch is in the dev extra (torch==2.13.0)")
+    config = FakeConfig(gpus=1)
+    _use(monkeypatch, backend, config)
+    limit = limit_gpu_memory(512)
+    assert limit.tensorflow_gpus == "hidden" and config.visible == []
+    assert limit.devices == []  # no GPU for JAX or torch on this machine
+    assert limit.report() == (
+        f"limit_gpu_memory: no GPU ({backend}); no limit; TensorFlow GPUs: hidden"
+    )
+
+
+# -- the entry points call it before they run TensorFlow ----------------------------------
+
+
+class _Called(Exception):
+    """Raised by the stand-in: the entry point called it before doing anything else."""
+
+
+def _entry_points():
+    from keras_tfr import source, tfrecords
+
+    return {
+        "from_tfrecords": lambda: tfrecords.from_tfrecords("no-such-*.tfrecord"),
+        "convert_tfrecords": lambda: tfrecords.convert_tfrecords("no-such-*", "out"),
+        "TFRecordSequenceSource": lambda: source.TFRecordSequenceSource("no-such-dir", 4),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "from_tfrecords",
+        "convert_tfrecords",
+        "TFRecordSequenceSource",
+    ],
+)
+def test_entry_points_call_it_first(monkeypatch, name):
+    def stand_in():
+        raise _Called
+
+    # The entry points import it from keras_tfr.gpu when called, so this replaces it.
+    monkeypatch.setattr(gpu_module, "keep_tensorflow_off_gpus", stand_in)
+    with pytest.raises(_Called):
+        _entry_points()[name]()
+
+
+# -- each backend for real, in its own process --------------------------------------------
+
+_SCRIPT = """
+    import json, sys
+    import keras
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+    from keras_tfr import gpu, limit_gpu_memory
+
+    # This machine has no GPU: one made-up GPU in TensorFlow's device calls.
+    real = {n: getattr(tf.config, n) for n in
+            ("list_physical_devices", "get_visible_devices", "set_visible_devices")}
+    fake = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
+    visible, calls = [fake], []
+
+    def list_physical_devices(device_type=None):
+        return [fake] if device_type == "GPU" else real["list_physical_devices"](device_type)
+
+    def get_visible_devices(device_type=None):
+        return list(visible) if device_type == "GPU" else real["get_visible_devices"](device_type)
+
+    def set_visible_devices(devices, device_type=None):
+        calls.append([list(devices), device_type])
+        visible[:] = devices
+
+    tf.config.list_physical_devices = list_physical_devices
+    tf.config.get_visible_devices = get_visible_devices
+    tf.config.set_visible_devices = set_visible_devices
+
+    out = {"backend": keras.config.backend()}
+    if out["backend"] == "tensorflow":
+        out["first"] = gpu.keep_tensorflow_off_gpus()
+    else:
+        # These call no keep_tensorflow_off_gpus, as they start no TensorFlow runtime
+        # (checked below): plain and GZIP writing, verify, tf.data service servers.
+        import numpy as np
+        from keras_tfr import ArraysToRecords, verify
+        from keras_tfr.distribute import start_service
+
+        x = np.arange(96, dtype=np.float32).reshape(32, 3)
+        for compression in (None, "GZIP"):
+            path = f"{sys.argv[1]}/{compression}"
+            ArraysToRecords.from_arrays(x, x, path, compression=compression, verbose=0)
+            assert verify(path).ok
+        start_service(1).stop()
+        assert gpu._TF_GPUS is None and calls == []  # nothing decided yet
+        out["first"] = limit_gpu_memory(512).tensorflow_gpus  # which must apply it
+    out["second"] = gpu.keep_tensorflow_off_gpus()
+    out["calls"] = calls
+    out["visible"] = [d.name for d in visible]
+    out["tensorflow_started"] = context.context()._context_handle is not None
+    for name, fn in real.items():
+        setattr(tf.config, name, fn)
+
+    # TensorFlow's own refusal once started, with the CPU standing in for a GPU.
+    class CpuAsGpu:
+        def list_physical_devices(self, device_type):
+            return tf.config.list_physical_devices("CPU")
+
+        def get_visible_devices(self, device_type):
+            return tf.config.get_visible_devices("CPU")
+
+        def set_visible_devices(self, devices, device_type):
+            tf.config.set_visible_devices(devices, "CPU")
+
+    out["sum"] = float(tf.reduce_sum(tf.ones([3])).numpy())  # TensorFlow starts here
+    out["late"] = list(gpu._hide_tensorflow_gpus(CpuAsGpu(), out["backend"]))
+    out["cpus"] = len(tf.config.list_logical_devices("CPU"))
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_each_backend_in_its_own_process(backend, tmp_path):
+    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    for name in (ENV_TF_GPU, gpu_module.ENV_MEGABYTES, gpu_module.ENV_FRACTION):
+        env.pop(name, None)
+    if backend == "jax":
+        env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [PY, "-c", textwrap.dedent(_SCRIPT), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    out = json.loads(line[0][len("RESULT ") :])
+    assert out["backend"] == backend
+    if backend == "tensorflow":
+        assert out["first"] == out["second"] == "tensorflow-backend"
+        assert out["calls"] == [] and out["visible"] == ["/physical_device:GPU:0"]
+    else:
+        assert out["first"] == out["second"] == "hidden"
+        assert out["calls"] == [[[], "GPU"]] and out["visible"] == []  # once, not twice
+        # Nothing above started TensorFlow's runtime (so the hiding was in time), not even
+        # writing, verify or the tf.data service (so they need no call of their own).
+        assert out["tensorflow_started"] is False
+    assert out["sum"] == 3.0
+    result_late, message = out["late"]
+    assert result_late == "too-late"
+    assert "TensorFlow already started on ['/physical_device:CPU:0'] in this process " in (message)
+    assert f"({REFUSAL})" in message  # TensorFlow's own words, from its real refusal
+    assert out["cpus"] == 1  # the refused change did not happen

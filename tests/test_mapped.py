@@ -1,0 +1,314 @@
+"""Sample mode and its memory-mapped reader (`keras_tfr.read.mapped`): the mode chosen
+(or refused) as documented, recycled buffers that never change a batch the caller holds,
+an epoch order that depends on (seed, epoch) alone, checks done once or every epoch, and
+shards changed on disk found and checked again."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
+from keras_tfr.manifest import Manifest
+from keras_tfr.read import mapped
+
+
+@pytest.fixture
+def data(tmp_path):
+    """1,000 samples of 7 float32 (28 bytes: batches are not 64-byte multiples)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1000, 7)).astype(np.float32)
+    y = np.arange(1000, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, samples_per_record=9, min_shards=3, verbose=0)
+    return d, x, y
+
+
+def _epoch(src):
+    return np.concatenate([by.numpy() for _, by in src])
+
+
+def test_sample_mode_is_the_default_for_local_fixed_data(data, monkeypatch, tmp_path, caplog):
+    d, _, _ = data
+    monkeypatch.delenv("KERAS_TFR_READER", raising=False)
+    assert TFRecordSequenceSource(d, batch_size=10).access == "samples"
+    gz = str(tmp_path / "gz")
+    ArraysToRecords.from_arrays(np.zeros((20, 3), np.float32), None, gz, compression="GZIP")
+    with caplog.at_level(logging.INFO, logger="keras_tfr"):
+        src = TFRecordSequenceSource(gz, batch_size=4)
+    assert src.access == "blocks"
+    assert "GZIP-compressed" in caplog.text
+    assert "access='blocks'" in repr(src)
+
+
+def test_asking_for_samples_where_they_cannot_be_read_names_why(tmp_path, monkeypatch):
+    d = str(tmp_path / "gz")
+    ArraysToRecords.from_arrays(np.zeros((20, 3), np.float32), None, d, compression="GZIP")
+    with pytest.raises(ValueError, match="GZIP-compressed"):
+        TFRecordSequenceSource(d, batch_size=4, access="samples")
+    monkeypatch.setenv("KERAS_TFR_READER", "mapped")
+    with pytest.raises(ValueError, match="GZIP-compressed"):
+        TFRecordSequenceSource(d, batch_size=4)
+    monkeypatch.setenv("KERAS_TFR_READER", "fast")
+    with pytest.raises(ValueError, match="KERAS_TFR_READER"):
+        TFRecordSequenceSource(d, batch_size=4)
+    with pytest.raises(ValueError, match="`access`"):
+        TFRecordSequenceSource(d, batch_size=4, access="random")
+
+
+def test_data_much_larger_than_memory_reads_in_blocks(data, monkeypatch):
+    """Random sample reads of data that cannot stay in the page cache would go to disk."""
+    d, _, _ = data
+    from keras_tfr import source as source_module
+
+    monkeypatch.setattr(os, "sysconf", lambda name: 100 if name == "SC_PHYS_PAGES" else 64)
+    assert "larger than half" in source_module._slow_random_access(10_000)
+    src = TFRecordSequenceSource(d, batch_size=10)
+    assert src.access == "blocks"
+    assert TFRecordSequenceSource(d, batch_size=10, access="samples").access == "samples"
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batches_held_by_the_caller_survive_later_epochs(data, shuffle):
+    """Unit buffers are reused once nothing refers to them: a batch the caller keeps
+    (tensor or NumPy copy) must keep its values."""
+    d, x, _ = data
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=shuffle, seed=1)
+    kept = [(bx, by, bx.numpy(), by.numpy()) for bx, by in src]
+    for _ in range(3):  # later epochs run through the same buffers
+        for _batch in src:
+            pass
+    gc.collect()
+    for bx, by, nx, ny in kept:
+        assert np.array_equal(bx.numpy(), x[by.numpy()])
+        assert np.array_equal(nx, x[ny])
+    seen = np.sort(np.concatenate([k[3] for k in kept]))
+    assert np.array_equal(seen, np.arange(1000))
+
+
+def test_buffers_come_back_only_when_no_view_is_left():
+    buffers = mapped._Buffers(4, 8)
+    lease = buffers.take(4)
+    lease[:] = 7
+    view = np.asarray(lease[1:3])  # a plain ndarray view, as TensorFlow would hold
+    del lease
+    gc.collect()
+    other = buffers.take(4)
+    assert buffers.allocated == 2, "a buffer with a live view was handed out again"
+    assert (view == 7).all()
+    del view, other
+    gc.collect()
+    buffers.take(4)
+    assert buffers.allocated == 2, "a free buffer was not reused"
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch(data):
+    d, _, _ = data
+    a = TFRecordSequenceSource(d, batch_size=10, seed=5)
+    epochs = [_epoch(a) for _ in range(3)]
+    assert all(np.array_equal(np.sort(e), np.arange(1000)) for e in epochs)
+    assert not np.array_equal(epochs[0], epochs[1]), "reshuffled each epoch"
+    # Iterators made and dropped unread (Keras makes one at each epoch's end) change nothing.
+    b = TFRecordSequenceSource(d, batch_size=10, seed=5)
+    for _ in range(4):
+        del_it = iter(b)
+        del del_it
+    assert np.array_equal(_epoch(b), epochs[0])
+    # Any epoch, from a fresh source, and from any batch on.
+    c = TFRecordSequenceSource(d, batch_size=10, seed=5)
+    c.set_epoch(2)
+    assert np.array_equal(_epoch(c), epochs[2])
+    assert np.array_equal(_epoch(c), TFRecordSequenceSource(d, 10, seed=5).sample_order(3))
+    c.set_epoch(1, step=37)
+    assert np.array_equal(_epoch(c), epochs[1][370:])
+    assert np.array_equal(c.sample_order(0), epochs[0])
+    # The order is the same whichever number of reader threads cuts it.
+    e = TFRecordSequenceSource(d, batch_size=10, seed=5, num_parallel_reads=1)
+    assert np.array_equal(_epoch(e), epochs[0])
+    with pytest.raises(ValueError, match="`step`"):
+        c.set_epoch(0, step=len(c) + 1)
+
+
+def test_golden_permutation():
+    """Pins the index permutation itself (the split and the shuffle are built on it)."""
+    from keras_tfr.read.order import Permutation
+
+    got = Permutation(10, key=(0,))(np.arange(10)).tolist()
+    assert sorted(got) == list(range(10))
+    assert got == [3, 6, 1, 0, 7, 5, 9, 2, 4, 8]
+    for n in (1, 2, 3, 1003, 2**16 + 1):
+        assert sorted(Permutation(n, key=(1, 2))(np.arange(n)).tolist()) == list(range(n))
+
+
+def test_iterators_dropped_mid_epoch_release_threads(data):
+    d, _, _ = data
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    next(iter(src))  # warm up TensorFlow's own thread pools
+    gc.collect()
+    threads = threading.active_count()
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(25):
+        it = iter(src)
+        next(it)
+        del it
+    gc.collect()
+    assert len(mapped._registry) <= 1
+    assert threading.active_count() <= threads + 8, "reader threads leaked"
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) <= fds + 8, "files left open"
+
+
+def test_nothing_is_read_after_the_last_epoch(data):
+    """No read-ahead outlives an iterator: after training, no reader thread is left."""
+    d, _, _ = data
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    before = threading.active_count()
+    for _ in range(2):
+        _epoch(src)
+    gc.collect()
+    assert not mapped._registry
+    assert not [t for t in threading.enumerate() if t.name == "keras_tfr_read"]
+    assert threading.active_count() <= before + 2
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_mapped_and_graph_readers_give_the_same_samples(data, monkeypatch, drop_remainder):
+    d, x, y = data
+    got = {}
+    for reader in ("mapped", "graph"):
+        monkeypatch.setenv("KERAS_TFR_READER", reader)
+        src = TFRecordSequenceSource(d, batch_size=64, shuffle=False, drop_remainder=drop_remainder)
+        batches = list(src)
+        assert len(batches) == len(src)
+        got[reader] = (
+            np.concatenate([b[0].numpy() for b in batches]),
+            np.concatenate([b[1].numpy() for b in batches]),
+            [int(b[1].shape[0]) for b in batches],
+        )
+        rows = 64 if drop_remainder else None
+        assert src.element_spec == (
+            tf.TensorSpec([rows, 7], tf.float32),
+            tf.TensorSpec([rows], tf.int64),
+        )
+    n = len(got["graph"][1])
+    assert n == (1000 // 64 * 64 if drop_remainder else 1000)
+    assert np.array_equal(got["mapped"][0].view(np.uint32), x[:n].view(np.uint32))
+    assert np.array_equal(got["mapped"][1], y[:n])
+    assert got["mapped"][2] == got["graph"][2]
+
+
+@pytest.mark.parametrize("verify, checks", [("first_read", 1), ("every_epoch", 3)])
+def test_each_record_is_checked_once_or_every_epoch(data, monkeypatch, verify, checks):
+    d, _, _ = data
+    calls = []
+    original = mapped.MappedPlan._check_record
+
+    def counting(self, record):
+        calls.append(record)
+        return original(self, record)
+
+    monkeypatch.setattr(mapped.MappedPlan, "_check_record", counting)
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0, verify=verify)
+    for _ in range(3):
+        _epoch(src)
+    records = src.manifest.total_records
+    assert len(calls) == checks * records
+    assert sorted(set(calls)) == list(range(records))
+
+
+def _flip_in_place(path, pos):
+    """Flips one byte without truncating the file (as a disk fault or a stray write)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([b[0] ^ 0x10]), pos)
+    finally:
+        os.close(fd)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_shard_changed_between_epochs_is_checked_again(data, how):
+    d, x, _ = data
+    m = Manifest.load(d)
+    path = m.shard_path(m.shards[1])
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    _epoch(src)  # every record checked once
+    frame = m.record_bytes + 16
+    if how == "in_place":
+        _flip_in_place(path, 2 * frame + 40)
+    else:  # written anew and renamed over the old one, as writers do
+        raw = bytearray(open(path, "rb").read())
+        raw[2 * frame + 40] ^= 0x10
+        with open(path + ".new", "wb") as f:
+            f.write(raw)
+        os.replace(path + ".new", path)
+    with pytest.raises(CorruptRecordError) as e:
+        _epoch(src)
+    assert e.value.file == path and e.value.offset == 2 * frame
+
+
+def test_shard_truncated_between_epochs_is_named_not_a_crash(data):
+    """A shard cut short while mapped: records past its end are never touched."""
+    d, _, _ = data
+    m = Manifest.load(d)
+    path = m.shard_path(m.shards[2])
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0, on_corrupt="skip")
+    raising = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    _epoch(src), _epoch(raising)
+    frame = m.record_bytes + 16
+    os.truncate(path, 3 * frame + 5)
+    with pytest.raises(CorruptRecordError, match="truncated") as e:
+        _epoch(raising)
+    assert e.value.file == path
+    ys = _epoch(src)  # skip mode: the rest of the shard is dropped, the step count kept
+    assert len(ys) == 1000
+    lost = m.shards[2].records - 3
+    assert src.corrupt_records == lost
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_crc32c_over_parts_equals_the_crc_of_the_joined_bytes(monkeypatch, hardware):
+    """The copy-free CRC (ctypes on the library google-crc32c ships) and its fallback."""
+    import google_crc32c
+
+    from keras_tfr import _crc
+
+    if not hardware:
+        monkeypatch.setattr(_crc, "_extend", None)
+    elif sys.platform.startswith("linux") and platform.machine() == "x86_64":
+        assert _crc.hardware(), "the Linux wheel of google-crc32c ships libcrc32c"
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    arr = data.reshape(-1, 1)[:, 0]
+    parts = [b"head", memoryview(data.tobytes())[:777], data[777:5000], arr[5000:], b""]
+    joined = b"head" + data.tobytes()
+    assert _crc.crc32c(parts) == google_crc32c.value(joined)
+    assert _crc.crc32c([joined[:9]], _crc.crc32c([])) == google_crc32c.value(joined[:9])
+    assert _crc.crc32c([b"123456789"]) == 0xE3069283  # the CRC-32C check value
+
+
+def test_iterator_checkpoints_need_block_mode(data, tmp_path):
+    """Documented limit: TensorFlow cannot checkpoint sample mode's iterator (its state is
+    `set_epoch`'s); block mode's can be saved and restored."""
+    d, _, _ = data
+    it = iter(TFRecordSequenceSource(d, batch_size=10, seed=0))
+    next(it)
+    with pytest.raises(tf.errors.OpError):
+        tf.train.Checkpoint(iterator=it).save(str(tmp_path / "samples"))
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=False, access="blocks")
+    it = iter(src)
+    next(it)
+    path = tf.train.Checkpoint(iterator=it).save(str(tmp_path / "blocks"))
+    expected = next(it)[1].numpy()
+    it2 = iter(src)
+    tf.train.Checkpoint(iterator=it2).restore(path)
+    assert np.array_equal(next(it2)[1].numpy(), expected)
