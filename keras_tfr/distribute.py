@@ -257,7 +257,7 @@ def _check_helper_args(helper: str, batch_size: Any, source_kwargs: dict) -> Non
 
 def keras_distribution_source(
     directory: str, batch_size: int, *, distribution: Any = None, **source_kwargs: Any
-):
+) -> tf.data.Dataset:
     """This process's share of a data set, for ``keras.distribution`` over many processes.
 
     Keras 3's own multi-process input path (``DataParallel(auto_shard_dataset=True)``, the
@@ -361,7 +361,9 @@ def keras_distribution_source(
     return first_samples(share, samples, per_process, steps)
 
 
-def first_samples(batches, samples: int, batch_size: int, steps: int):
+def first_samples(
+    batches: tf.data.Dataset, samples: int, batch_size: int, steps: int
+) -> tf.data.Dataset:
     """The first ``steps`` batches of ``batches``, holding its first ``samples`` samples.
 
     ``batches`` yields full batches of ``batch_size`` (then a partial one, or empty
@@ -373,7 +375,7 @@ def first_samples(batches, samples: int, batch_size: int, steps: int):
     last = samples - (steps - 1) * batch_size
     if last < batch_size:
 
-        def cut(step, batch):
+        def cut(step: tf.Tensor, batch: Any) -> Any:
             rows = tf.where(step == steps - 1, last, batch_size)
             return tf.nest.map_structure(lambda t: t[:rows], batch)
 
