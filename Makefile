@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,18 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(PY) docs/build_api.py
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# The API reference, offline HTML from the docstrings (pdoc): docs/api/index.html.
+docs: $(VENV)/.installed-dev
+	$(PY) docs/build_api.py
 
 format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff format .
@@ -37,4 +44,4 @@ bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) demo_data benchmarks/results .pytest_cache .ruff_cache
+	rm -rf $(VENV) demo_data benchmarks/results .pytest_cache .ruff_cache .mypy_cache docs/api

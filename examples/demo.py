@@ -142,6 +142,12 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.phase:
+        if args.phase != "generate":
+            # TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not reach (Abseil
+            # prints them before TensorFlow's level applies): left out, nothing else is.
+            from keras_tfr._quiet import import_tensorflow_quietly
+
+            import_tensorflow_quietly()
         if args.phase == "generate":
             generate(args.workdir, args.samples)
             result = {"peak_rss": peak_rss_bytes()}

@@ -94,15 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not reach (Abseil prints
+    # them before TensorFlow's level applies) are left out, here and in the children's
+    # output; nothing else is.
+    from keras_tfr._quiet import FilteredOutput, import_tensorflow_quietly
     from keras_tfr.parallel import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or os.path.join(tmp, "train")
         if not os.path.exists(os.path.join(data, "manifest.json")):
+            import_tensorflow_quietly()
             write_data(data, args.samples)
         command = [sys.executable, os.path.abspath(__file__), "--trial", "{i}", "--data", data]
         command += ["--epochs", str(args.epochs)]
-        return launch(command, args.models, gpu_memory_mb=args.gpu_memory_mb)
+        output = FilteredOutput(sys.stdout)
+        return launch(command, args.models, gpu_memory_mb=args.gpu_memory_mb, output=output)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
 
+    # TensorFlow's start-up lines that TF_CPP_MIN_LOG_LEVEL does not reach (Abseil prints
+    # them before TensorFlow's level applies) are left out; nothing else is.
+    from keras_tfr._quiet import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
     from keras_tfr.tuner import is_worker
 
     if not os.path.exists(os.path.join(args.data, "manifest.json")):

@@ -35,6 +35,7 @@ import functools
 import inspect
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("keras_tfr")
@@ -167,22 +168,24 @@ def uninstall_multi_worker_fix() -> None:
         module.reduce_per_replica = _originals.pop("reduce")
 
 
-def _fixed_build(original, is_multi_worker):
+def _fixed_build(
+    original: Callable[..., Any], is_multi_worker: Callable[[Any], bool]
+) -> Callable[..., Any]:
     @functools.wraps(original)
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = self._distribute_strategy
         if iterator is not None and strategy is not None and is_multi_worker(strategy):
             data_batch, iterator = _first_local_batch(iterator, strategy), None
         return original(self, iterator=iterator, data_batch=data_batch)
 
-    _maybe_symbolic_build.keras_tfr_fix = True
+    _maybe_symbolic_build.keras_tfr_fix = True  # type: ignore[attr-defined]
     return _maybe_symbolic_build
 
 
-def _first_local_batch(iterator, strategy):
+def _first_local_batch(iterator: Any, strategy: Any) -> Any:
     import tensorflow as tf
 
-    def local(value):
+    def local(value: Any) -> Any:
         if isinstance(value, tf.distribute.DistributedValues):
             return strategy.experimental_local_results(value)[0]
         return value
@@ -193,14 +196,16 @@ def _first_local_batch(iterator, strategy):
     return None
 
 
-def _fixed_reduce(original, is_multi_worker):
+def _fixed_reduce(
+    original: Callable[..., Any], is_multi_worker: Callable[[Any], bool]
+) -> Callable[..., Any]:
     @functools.wraps(original)
-    def reduce_per_replica(values, strategy, reduction):
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
         if reduction not in ("auto", "mean") or not is_multi_worker(strategy):
             return original(values, strategy, reduction)
         import tensorflow as tf
 
-        def one(value):
+        def one(value: Any) -> Any:
             first = strategy.experimental_local_results(value)[0]
             if getattr(first, "shape", None) is not None and first.shape.rank == 0:
                 return strategy.reduce("MEAN", value, axis=None)
@@ -208,5 +213,5 @@ def _fixed_reduce(original, is_multi_worker):
 
         return tf.nest.map_structure(one, values)
 
-    reduce_per_replica.keras_tfr_fix = True
+    reduce_per_replica.keras_tfr_fix = True  # type: ignore[attr-defined]
     return reduce_per_replica

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 VERIFIED_KERAS = ((3, 0), (3, 16))  # [first, last) major.minor seen to work
@@ -57,7 +58,7 @@ def install_corrupt_record_errors() -> bool:
 
         @functools.wraps(original)
         @contextlib.contextmanager
-        def catch_stop_iteration(self):
+        def catch_stop_iteration(self: Any) -> Iterator[None]:
             from keras_tfr.source import corrupt_record_error
 
             try:

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 from keras_tfr.errors import DatasetLockedError
 
@@ -26,7 +26,7 @@ def is_remote(path: str) -> bool:
     return "://" in str(path)
 
 
-def _gfile():
+def _gfile() -> Any:
     import tensorflow as tf
 
     return tf.io.gfile
@@ -97,7 +97,7 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def open_read(path: str):
+def open_read(path: str) -> BinaryIO:
     if is_remote(path):
         return _gfile().GFile(path, "rb")
     return open(path, "rb")

@@ -7,6 +7,7 @@ checked against the bytes that remain.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -30,13 +31,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ProtoError("varint too long")
 
 
-def _fields(buf: memoryview):
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
     """Yields (field_number, wire_type, value) where value is bytes-view or int."""
     pos = 0
     n = len(buf)
     while pos < n:
         tag, pos = _read_varint(buf, pos)
         field, wire = tag >> 3, tag & 7
+        value: memoryview | int  # by wire type: 2 gives a view, the others an int
         if wire == 0:
             value, pos = _read_varint(buf, pos)
         elif wire == 2:

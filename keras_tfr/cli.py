@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import sys
+from types import ModuleType
 
 from keras_tfr._version import __version__
 from keras_tfr.errors import KerasTFRError
@@ -36,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _load(module: str):
+def _load(module: str) -> ModuleType | None:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:

@@ -37,11 +37,18 @@ import math
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from keras_tfr import _compat_dist
+
+if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
+    from types import FrameType
+
+    import tensorflow as tf
+
+    from keras_tfr.source import TFRecordSequenceSource
 
 __all__ = ["ServiceCluster", "distribute_source", "keras_distribution_source", "start_service"]
 
@@ -119,18 +126,20 @@ def worker_share(
     return mask, samples[worker_index], steps, pad
 
 
-def pad_with_empty_batches(batches, count: int):
+def pad_with_empty_batches(batches: tf.data.Dataset, count: int) -> tf.data.Dataset:
     """Appends ``count`` batches of zero samples with the element spec of ``batches``."""
     import tensorflow as tf
 
-    def empty(spec):
+    def empty(spec: tf.TensorSpec) -> tf.Tensor:
         return tf.zeros([0, *spec.shape[1:]], spec.dtype)
 
     filler = tf.data.Dataset.from_tensors(tf.nest.map_structure(empty, batches.element_spec))
     return batches.concatenate(filler.repeat(count))
 
 
-def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs: Any):
+def distribute_source(
+    strategy: tf.distribute.Strategy, directory: str, batch_size: int, **source_kwargs: Any
+) -> tf.distribute.DistributedDataset:
     """A source split across the replicas of ``strategy``, for ``model.fit``.
 
     Calls ``strategy.distribute_datasets_from_function``: each input pipeline (one per
@@ -190,7 +199,7 @@ def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs
         else tf.distribute.InputReplicationMode.PER_WORKER
     )
 
-    def dataset_fn(ctx: tf.distribute.InputContext):
+    def dataset_fn(ctx: tf.distribute.InputContext) -> TFRecordSequenceSource:
         if per_replica_pipelines:
             # One pipeline per replica; pipeline ids are numbered across all workers.
             num, index = replicas, _global_replica_id(strategy, ctx)
@@ -210,7 +219,7 @@ def distribute_source(strategy, directory: str, batch_size: int, **source_kwargs
     )
 
 
-def _num_workers(strategy) -> int:
+def _num_workers(strategy: tf.distribute.Strategy) -> int:
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return 1
@@ -218,7 +227,7 @@ def _num_workers(strategy) -> int:
     return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
 
 
-def _global_replica_id(strategy, ctx) -> int:
+def _global_replica_id(strategy: tf.distribute.Strategy, ctx: tf.distribute.InputContext) -> int:
     # In PER_REPLICA mode TensorFlow numbers the pipelines of this worker from 0 and sets
     # num_input_pipelines to the local replica count; shift by the worker's position.
     local = ctx.num_input_pipelines
@@ -248,7 +257,7 @@ def _check_helper_args(helper: str, batch_size: Any, source_kwargs: dict) -> Non
 
 def keras_distribution_source(
     directory: str, batch_size: int, *, distribution: Any = None, **source_kwargs: Any
-):
+) -> tf.data.Dataset:
     """This process's share of a data set, for ``keras.distribution`` over many processes.
 
     Keras 3's own multi-process input path (``DataParallel(auto_shard_dataset=True)``, the
@@ -352,7 +361,9 @@ def keras_distribution_source(
     return first_samples(share, samples, per_process, steps)
 
 
-def first_samples(batches, samples: int, batch_size: int, steps: int):
+def first_samples(
+    batches: tf.data.Dataset, samples: int, batch_size: int, steps: int
+) -> tf.data.Dataset:
     """The first ``steps`` batches of ``batches``, holding its first ``samples`` samples.
 
     ``batches`` yields full batches of ``batch_size`` (then a partial one, or empty
@@ -364,7 +375,7 @@ def first_samples(batches, samples: int, batch_size: int, steps: int):
     last = samples - (steps - 1) * batch_size
     if last < batch_size:
 
-        def cut(step, batch):
+        def cut(step: tf.Tensor, batch: Any) -> Any:
             rows = tf.where(step == steps - 1, last, batch_size)
             return tf.nest.map_structure(lambda t: t[:rows], batch)
 
@@ -406,7 +417,9 @@ def check_service_args(service: Any, mode: Any, job_name: Any) -> None:
         )
 
 
-def via_service(dataset, service: str, mode: str, job_name: str | None):
+def via_service(
+    dataset: tf.data.Dataset, service: str, mode: str, job_name: str | None
+) -> tf.data.Dataset:
     """Runs ``dataset`` (reading and decoding) on a tf.data service cluster.
 
     In ``"distributed_epoch"`` mode the dispatcher hands each shard file to one worker, so
@@ -435,7 +448,13 @@ class ServiceCluster:
         worker_addresses: ``host:port`` of each worker.
     """
 
-    def __init__(self, dispatcher, workers: list, target: str | None, addresses: list[str]):
+    def __init__(
+        self,
+        dispatcher: tf.data.experimental.service.DispatchServer | None,
+        workers: list[tf.data.experimental.service.WorkerServer],
+        target: str | None,
+        addresses: list[str],
+    ) -> None:
         self.dispatcher = dispatcher
         self.workers = workers
         self.target = target
@@ -452,7 +471,7 @@ class ServiceCluster:
     def __enter__(self) -> ServiceCluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -588,7 +607,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
     print("serving; press Ctrl-C to stop", flush=True)
 
-    def on_term(signum, frame):
+    def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)

@@ -18,15 +18,36 @@ __all__ = [
 
 
 class KerasTFRError(Exception):
-    """Base class of every keras-tfr error."""
+    """Base class of every keras-tfr error.
+
+    Example:
+        >>> try:
+        ...     TFRecordSequenceSource("data/nowhere", batch_size=32)
+        ... except KerasTFRError as e:  # any keras-tfr error
+        ...     print(type(e).__name__)
+        ManifestError
+    """
 
 
 class ManifestError(KerasTFRError, ValueError):
-    """`manifest.json` is missing, malformed, from an unknown format version or unsafe."""
+    """`manifest.json` is missing, malformed, from an unknown format version or unsafe.
+
+    Example:
+        >>> Manifest.load("data/nowhere")
+        Traceback (most recent call last):
+        ManifestError: Expected `directory` to be a keras-tfr data set directory. ...
+    """
 
 
 class ShardError(KerasTFRError, OSError):
-    """A shard named in the manifest is missing or has the wrong size or checksum."""
+    """A shard named in the manifest is missing or has the wrong size or checksum.
+
+    Example:
+        >>> os.remove("data/train/shard-00001.tfrecord")
+        >>> TFRecordSequenceSource("data/train", batch_size=32)
+        Traceback (most recent call last):
+        ShardError: ... shard-00001.tfrecord ...
+    """
 
 
 class CorruptRecordError(KerasTFRError, OSError):
@@ -56,12 +77,31 @@ class CorruptRecordError(KerasTFRError, OSError):
 
 
 class IncompleteDatasetError(ManifestError):
-    """The directory holds shards of a conversion that did not finish (no manifest)."""
+    """The directory holds shards of a conversion that did not finish (no manifest).
+
+    Example:
+        >>> TFRecordSequenceSource("data/killed_mid_way", batch_size=32)
+        Traceback (most recent call last):
+        IncompleteDatasetError: ... Resume it with `ArraysToRecords(..., resume=True)` ...
+    """
 
 
 class DatasetExistsError(KerasTFRError, FileExistsError):
-    """The target directory already holds a data set and `overwrite=True` was not given."""
+    """The target directory already holds a data set and `overwrite=True` was not given.
+
+    Example:
+        >>> ArraysToRecords.from_arrays(x, y, "data/train")  # a second time
+        Traceback (most recent call last):
+        DatasetExistsError: ... overwrite=True ...
+    """
 
 
 class DatasetLockedError(KerasTFRError, RuntimeError):
-    """Another writer holds the directory's lock file."""
+    """Another writer holds the directory's lock file.
+
+    Example:
+        >>> with ArraysToRecords("data/train") as first, ArraysToRecords("data/train") as second:
+        ...     second.write(x, y)
+        Traceback (most recent call last):
+        DatasetLockedError: Another writer ...
+    """

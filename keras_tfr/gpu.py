@@ -42,7 +42,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from keras_tfr.errors import KerasTFRError
 
@@ -112,6 +112,7 @@ class GpuMemoryLimit:
         self.backend = _keras_backend()
         self.devices: list[str] = []
         self.total_mb: list[int | None] = []
+        self._impl: Any  # _TensorFlow, _Jax or _Torch: classes of static methods
         self._impl = {"tensorflow": _TensorFlow, "jax": _Jax, "torch": _Torch}.get(self.backend)
         if self._impl is None:
             raise ValueError(
@@ -606,7 +607,7 @@ def _limit_for_total(limit: GpuMemoryLimit, total_mb: int | None, name: str) -> 
             f"`fraction` needs {name}'s total memory, which the CUDA driver (libcuda) did not "
             "report. Pass `megabytes` instead."
         )
-    return max(1, int(limit.fraction * total_mb))
+    return max(1, int(cast(float, limit.fraction) * total_mb))  # megabytes or fraction is set
 
 
 class _TensorFlow:
@@ -716,6 +717,7 @@ def _jax_environment(
                 "report it. Pass `fraction` instead."
             )
         largest = max(totals_mb)
+        megabytes = cast(int, megabytes)  # one of megabytes and fraction is set
         if megabytes > largest:
             raise ValueError(
                 f"Expected `megabytes` to be at most the GPU's total memory of {largest} MiB. "
@@ -799,7 +801,7 @@ class _Torch:
             return "no-gpu"
         chosen = _choose(limit._indices, torch.cuda.device_count(), "torch")
         previous = {}
-        totals = []
+        totals: list[int | None] = []
         for i in chosen:
             total = torch.cuda.get_device_properties(i).total_memory // _MIB
             totals.append(total)

@@ -108,7 +108,13 @@ class ShardInfo:
 
 @dataclass
 class Manifest:
-    """A parsed, validated manifest. Build with `Manifest.load(directory)`."""
+    """A parsed, validated manifest. Build with `Manifest.load(directory)`.
+
+    Example:
+        >>> manifest = Manifest.load("data/train")
+        >>> manifest.total_samples, len(manifest.shards), manifest.total_bytes
+        >>> [(f.key, f.role, f.dtype, f.shape) for f in manifest.features]
+    """
 
     structure: dict[str, str]
     features: list[FeatureSpec]

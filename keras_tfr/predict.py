@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE
+from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, Manifest
 
 __all__ = ["predict_to_records"]
 
@@ -40,7 +40,7 @@ def predict_to_records(
     samples_per_record: int | None = None,
     compression: str | None = None,
     metadata: dict[str, Any] | None = None,
-):
+) -> Manifest:
     """Runs `model` over `source` and writes the predictions as a keras-tfr data set.
 
     Layout of the written data set:
@@ -127,4 +127,4 @@ def predict_to_records(
                 writer.write(predictions, _numpy(y))
             else:
                 writer.write(predictions)
-    return writer.manifest
+    return writer.close()  # closed by `with`: hands back its manifest

@@ -30,9 +30,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a tf_* function runs
+    import tensorflow as tf
 
 __all__ = ["COUNT_KEY", "ROLES", "FeatureSpec", "check_dtype", "decode_example", "encode_block"]
 
@@ -301,7 +304,7 @@ def encode_block(specs: list[FeatureSpec], arrays: dict[str, np.ndarray]) -> byt
     for spec in enc.specs:
         arr = to_le_bytes(arrays[spec.key], spec)
         count = arr.shape[0] if count is None else count
-        payloads.append(memoryview(arr).cast("B"))
+        payloads.append(arr.data.cast("B"))
     return enc.encode(int(count or 0), payloads)
 
 
@@ -397,7 +400,7 @@ def check_host_byte_order() -> None:
         )
 
 
-def tf_decode_feature(raw_bytes, spec: FeatureSpec, block_samples: int):
+def tf_decode_feature(raw_bytes: tf.Tensor, spec: FeatureSpec, block_samples: int) -> tf.Tensor:
     """Decodes a [k] string tensor of block payloads into [k * block_samples, *shape].
 
     One `decode_raw` into uint8 (padding a short last block with zeros), then a reshape
@@ -411,7 +414,7 @@ def tf_decode_feature(raw_bytes, spec: FeatureSpec, block_samples: int):
     return tf_bytes_to_feature(u8, spec)
 
 
-def tf_bytes_to_feature(u8, spec: FeatureSpec):
+def tf_bytes_to_feature(u8: tf.Tensor, spec: FeatureSpec) -> tf.Tensor:
     """[k, n * sample_bytes] uint8 -> [k * n, *shape] in the feature's dtype (a reshape and
     a zero-copy bitcast; bool is one byte, 0 or 1)."""
     import tensorflow as tf
@@ -427,7 +430,9 @@ def tf_bytes_to_feature(u8, spec: FeatureSpec):
     return tf.bitcast(x, tf.as_dtype(spec.dtype))
 
 
-def tf_decode_variable(raw_bytes, raw_lengths, spec: FeatureSpec):
+def tf_decode_variable(
+    raw_bytes: tf.Tensor, raw_lengths: tf.Tensor, spec: FeatureSpec
+) -> tf.Tensor | tf.RaggedTensor:
     """Decodes a [k] string tensor of non-fixed block payloads and their lengths.
 
     Returns a `tf.RaggedTensor` ``[n, None, *shape]`` for a ``"ragged"`` feature, or a

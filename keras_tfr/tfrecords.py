@@ -23,15 +23,20 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from keras_tfr import _io
 from keras_tfr._seeds import only_op_seeds
-from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, parse_size
+from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, Manifest, parse_size
+
+if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
+    import argparse
+
+    import tensorflow as tf
 
 __all__ = [
     "COUNTS_NAME",
@@ -458,7 +463,7 @@ def from_tfrecords(
     num_parallel_reads: int | None = None,
     cache_counts: bool = True,
     _raw_roles: bool = False,
-):
+) -> tf.data.Dataset:
     """Streams TFRecord files of one `tf.train.Example` per sample into Keras.
 
     Args:
@@ -557,7 +562,7 @@ def from_tfrecords(
             records = records.shuffle(buffer, seed=None if seed is None else seed + 1)
     finish = finish_features(decode, ragged)
 
-    def parse(serialized):
+    def parse(serialized: tf.Tensor) -> Any:
         parsed = tf.io.parse_example(serialized, parse_spec)
         for key, feature in tensors.items():
             parsed[key] = _decode_tensor(parsed[key], key, feature)
@@ -578,8 +583,8 @@ def from_tfrecords(
     batches = batches.prefetch(tf.data.AUTOTUNE)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
     if _raw_roles:
-        batches._keras_tfr_roles = roles  # type: ignore[attr-defined]
-        batches._keras_tfr_total = total  # type: ignore[attr-defined]
+        batches._keras_tfr_roles = roles
+        batches._keras_tfr_total = total
     return batches
 
 
@@ -625,7 +630,7 @@ def convert_tfrecords(
     min_shards: int = 8,
     verbose: int = 1,
     cache_counts: bool = True,
-):
+) -> Manifest:
     """Rewrites TFRecord files of one Example per sample as a keras-tfr data set.
 
     Serialized tensors are stored decoded (raw blocks), variable-length lists as ragged
@@ -687,7 +692,7 @@ def convert_tfrecords(
 
     with writer:
         for batch in _checked(ds, tf):
-            parts = []
+            parts: list[Any] = []
             for role in ("x", "y", "sample_weight"):
                 if role not in roles:
                     parts.append(None)
@@ -702,10 +707,10 @@ def convert_tfrecords(
                 parts.append(values[spec] if isinstance(spec, str) else values)
             writer.variable_length = frozenset(variable)
             writer.write(*parts)
-    return writer.manifest
+    return writer.close()  # closed by `with`: hands back its manifest
 
 
-def _checked(ds: Any, tf: Any):
+def _checked(ds: Any, tf: Any) -> Iterator[Any]:
     """Iterates `ds`, turning TensorFlow's parse errors into a ValueError that says why."""
     it = iter(ds)
     while True:
@@ -744,8 +749,8 @@ def _parse_feature_arg(text: str) -> tuple[str, Any]:
         dtype = tf.as_dtype(parts[0])
         if len(parts) > 1 and parts[1] == "var":
             return name, tf.io.VarLenFeature(dtype)
-        shape = [int(d) for d in parts[1].split(",")] if len(parts) > 1 and parts[1] else []
-        return name, tf.io.FixedLenFeature(shape, dtype)
+        dims = [int(d) for d in parts[1].split(",")] if len(parts) > 1 and parts[1] else []
+        return name, tf.io.FixedLenFeature(dims, dtype)
     except (TypeError, ValueError, IndexError) as e:
         raise ValueError(
             f"--feature {text!r}: SPEC must be float32|int64[:D1,D2|:var], bytes or "
@@ -753,7 +758,7 @@ def _parse_feature_arg(text: str) -> tuple[str, Any]:
         ) from e
 
 
-def add_convert_tfrecords_arguments(parser) -> None:
+def add_convert_tfrecords_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``keras-tfr convert-tfrecords`` (no TensorFlow import here)."""
     parser.description = (
         "Rewrite TFRecord files of one tf.train.Example per sample (e.g. the tutorial layout: "
@@ -793,7 +798,7 @@ def _one_or_list(values: list[str] | None) -> Any:
     return values[0] if len(values) == 1 else values
 
 
-def run_convert_tfrecords(args) -> int:
+def run_convert_tfrecords(args: argparse.Namespace) -> int:
     """``keras-tfr convert-tfrecords``: 0 on success; bad input exits 2 through `cli.main`."""
     features = dict(_parse_feature_arg(t) for t in args.feature) or None
     manifest = convert_tfrecords(

@@ -74,6 +74,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -114,7 +115,14 @@ def is_chief() -> bool:
 
 
 def is_worker() -> bool:
-    """True in a worker process of a distributed keras-tuner search (see `is_chief`)."""
+    """True in a worker process of a distributed keras-tuner search (see `is_chief`).
+
+    Example:
+        >>> if is_worker():          # the chief writes the data set; workers wait for it
+        ...     wait_for_data("data/train")
+        ... else:
+        ...     write_data("data/train")
+    """
     return "KERASTUNER_ORACLE_IP" in os.environ and not is_chief()
 
 
@@ -410,6 +418,12 @@ class TuneResult:
         returncodes: exit status per process (``"chief"``, ``"tuner0"``, ...).
         errors: what went wrong, one line each.
         log_dir: the processes' output, ``<tuner id>.log`` each.
+
+    Example:
+        >>> result = tune("search.py", workers=2, gpu_memory_mb=1024)
+        >>> if not result.ok:
+        ...     print(result.errors, result.log_dir)
+        >>> result.trials_completed, result.best_score, result.best_hyperparameters
     """
 
     returncode: int
@@ -802,17 +816,19 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, patches: dict[str, Callable[[Any], None]]):
         self._patches = patches
 
-    def find_spec(self, name, path, target=None):
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         patch = self._patches.get(name)
         if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None
-        loader = spec.loader
+        loader: Any = spec.loader  # its exec_module is replaced on this one instance
         original_exec = loader.exec_module
 
-        def exec_module(module):
+        def exec_module(module: ModuleType) -> None:
             original_exec(module)
             try:
                 patch(module)
@@ -849,7 +865,7 @@ def _patch_base_tuner(module: Any) -> None:
     original_init = cls.__init__
     signature = inspect.signature(original_init)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if is_worker():
             # Only the chief may start the project afresh: a worker built later would
             # delete the trials the others are running.
@@ -860,7 +876,7 @@ def _patch_base_tuner(module: Any) -> None:
         original_init(self, *args, **kwargs)
         _write_report(self)
 
-    __init__.__wrapped__ = original_init
+    __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
     cls.__init__ = __init__
 
 
@@ -968,8 +984,8 @@ def run_tune(args: argparse.Namespace) -> int:
             result.best_score,
             json.dumps(result.best_hyperparameters, sort_keys=True),
         )
-    for e in result.errors:
-        log.error("keras-tfr tune: %s", e)
+    for error in result.errors:
+        log.error("keras-tfr tune: %s", error)
     if not result.ok:
         log.error("keras-tfr tune: failed; logs in %s", result.log_dir)
     if args.results:

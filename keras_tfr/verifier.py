@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import google_crc32c
@@ -48,7 +49,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _iter_records(path: str, compression: str | None):
+def _iter_records(path: str, compression: str | None) -> Iterator[tuple[int | None, bytes]]:
     """Yields (offset, record bytes); offset is None for compressed files."""
     import tensorflow as tf
 
@@ -109,7 +110,7 @@ def _check_compressed_stream(path: str, compression: str) -> str | None:
 
 
 class _RecordError(Exception):
-    def __init__(self, offset, cause):
+    def __init__(self, offset: int | None, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.offset = offset
         self.cause = cause

@@ -23,6 +23,7 @@ import re
 import struct
 import sys
 from collections.abc import Iterable, Mapping
+from types import TracebackType
 from typing import Any
 
 import keras
@@ -186,6 +187,7 @@ class _Variable:
                     f"{a.dtype} and shape {a.shape}"
                 )
             arrays.append(a)
+        assert first is not None  # `items` is not empty (checked above)
         le = dt.newbyteorder("<") if dt.itemsize > 1 else dt
         if dt == np.bool_:
             arrays = [np.ascontiguousarray(a, dtype=np.bool_).view(np.uint8) for a in arrays]
@@ -391,7 +393,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._shard_crc = 0
         self._zero_copy = False  # records written as parts, payloads not joined
         self._borrowed = False  # queued records point into the caller's arrays
-        self._progbar = None
+        self._progbar: Any = None  # a keras.utils.Progbar with verbose > 0
 
     # ------------------------------------------------------------------ public API
 
@@ -404,7 +406,12 @@ class ArraysToRecords(keras.callbacks.Callback):
         self._open()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -550,7 +557,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             directory, y = y, None
         if directory is None:
             raise TypeError("Expected `directory` (the data set's path). Received: None")
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             shard_size=shard_size,
             record_size=record_size,
             samples_per_record=samples_per_record,
@@ -912,6 +919,7 @@ class ArraysToRecords(keras.callbacks.Callback):
                 # Queued records may point into the caller's arrays: written before
                 # `write` returns (or raises), so the caller may reuse them.
                 self._borrowed = False
+                assert self._sink is not None
                 self._sink.finish_shard()
 
     def _append_fixed(self, batch: _Batch, start: int) -> None:
@@ -935,7 +943,7 @@ class ArraysToRecords(keras.callbacks.Callback):
             for arr in batch.arrays:
                 _populate_pages(arr, i, end)
             for spec, arr in zip(batch.specs, batch.arrays):
-                views.append((memoryview(to_le_bytes(arr[i:end], spec)).cast("B"), spec))
+                views.append((to_le_bytes(arr[i:end], spec).data.cast("B"), spec))
             for b in range(nblocks):
                 payloads = []
                 for mv, spec in views:
@@ -944,6 +952,7 @@ class ArraysToRecords(keras.callbacks.Callback):
                 self._emit(spr, payloads)
             del views
             # After the sink wrote these rows (it may still be reading them).
+            assert self._sink is not None
             self._sink.put(("release", batch.arrays, i, end))
             i = end
             self._samples_written += nblocks * spr
@@ -980,6 +989,7 @@ class ArraysToRecords(keras.callbacks.Callback):
 
     def _flush_pending(self) -> None:
         count = self._pending_count
+        assert self._specs is not None
         payloads = [_join_payload(s, parts) for s, parts in zip(self._specs, self._pending)]
         self._pending = [[] for _ in self._specs or []]
         self._pending_count = 0
@@ -1001,6 +1011,7 @@ class ArraysToRecords(keras.callbacks.Callback):
         # Checksummed here, while the record is hot in the cache; the sink only writes.
         record_crc = _crc.crc32c(record if self._zero_copy else [record])
         self._shard_crc = _crc.crc32c([struct.pack("<I", record_crc)], self._shard_crc)
+        assert self._sink is not None
         self._sink.put((record, record_crc))
         self._shard_records += 1
         self._shard_samples += count
@@ -1300,7 +1311,7 @@ class _FramedFile:
 
             self._f = tf.io.gfile.GFile(path, "wb")
         else:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, record: Any, crc: int | None = None) -> None:
         """Writes one record: ``bytes``, or a list of buffers (written without joining)."""
@@ -1331,6 +1342,7 @@ class _FramedFile:
             for part in parts:
                 self._f.write(bytes(part))
             return
+        assert self._fd is not None  # a local file is open until close()
         written = os.writev(self._fd, parts)
         if written != total:  # rare short write: finish it byte-exactly
             rest = b"".join(bytes(p) for p in parts)[written:]

@@ -1,0 +1,148 @@
+"""The one home of keras-tfr's use of private Keras APIs.
+
+Each private name keras-tfr touches is listed here, with the Keras versions it was
+verified on. Outside that range nothing private is touched (the feature it serves is
+simply off), and ``tests/test_quiet.py`` fails loudly, naming the API, when the installed
+Keras is outside the range or the API has moved, so that a Keras upgrade is re-verified
+here rather than discovered by users.
+
+Private APIs used:
+
+* ``keras.src.trainers.epoch_iterator.EpochIterator.__init__(self, x, y=None,
+  sample_weight=None, batch_size=None, steps_per_epoch=None, shuffle=False, ...)``: every
+  backend's trainer (``TFEpochIterator``, ``JAXEpochIterator``, ``TorchEpochIterator``
+  call it through ``super().__init__``) builds one per ``fit``/``evaluate``/``predict``
+  call, and it passes ``shuffle`` on to
+* ``keras.src.trainers.data_adapters.get_data_adapter(x, ..., shuffle=...)``, which in
+  Keras 3.15 warns ("`shuffle=True` was passed, but will be ignored since the data `x`
+  was provided as a tf.data.Dataset", ``stacklevel=2``) whenever ``shuffle`` is true and
+  ``x`` is a `tf.data.Dataset`. ``fit``'s default ``shuffle=True`` makes that happen on
+  every ``fit`` with a `TFRecordSequenceSource`, although the source shuffles itself (its
+  own ``shuffle=`` and ``seed=`` arguments); for a `tf.data.Dataset` the flag has no
+  other effect in the verified versions.
+
+``EpochIterator.__init__`` is wrapped rather than ``get_data_adapter`` so that, for any
+other data, Keras' warning still points where it did (``stacklevel=2`` names the frame
+that called ``get_data_adapter``: Keras' own ``__init__``, not a keras-tfr wrapper).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import threading
+from typing import Any
+
+__all__ = ["KERAS_VERIFIED", "install_shuffle_warning_filter", "keras_version_verified"]
+
+log = logging.getLogger("keras_tfr")
+
+# [low, high): the Keras (major, minor) versions the private APIs above were verified on.
+# Widen it only after `pytest tests/test_quiet.py` passed on the new version.
+KERAS_VERIFIED: tuple[tuple[int, int], tuple[int, int]] = ((3, 15), (3, 16))
+
+# The private names, in one place (the test checks each of them).
+EPOCH_ITERATOR_MODULE = "keras.src.trainers.epoch_iterator"
+EPOCH_ITERATOR = "EpochIterator"
+DATA_ADAPTERS_MODULE = "keras.src.trainers.data_adapters"
+GET_DATA_ADAPTER = "get_data_adapter"
+SHUFFLE_WARNING = "`shuffle=True` was passed, but will be ignored since the data `x` was provided"
+
+_MARK = "_keras_tfr_shuffle_filter"
+_lock = threading.Lock()
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    while len(parts) < 2:
+        parts.append(0)
+    return parts[0], parts[1]
+
+
+def keras_version_verified(version: str | None = None) -> bool:
+    """Whether a Keras version (default: the installed one) is in `KERAS_VERIFIED`.
+
+    Args:
+        version: a Keras version string such as ``"3.15.1"``; ``None`` reads the
+            installed ``keras.__version__``.
+
+    Returns:
+        True when ``KERAS_VERIFIED[0] <= (major, minor) < KERAS_VERIFIED[1]``.
+
+    Example:
+        >>> keras_version_verified("3.15.1")
+        True
+    """
+    if version is None:
+        import keras
+
+        version = str(keras.__version__)
+    low, high = KERAS_VERIFIED
+    return low <= _version_tuple(version) < high
+
+
+def _is_keras_tfr_source(x: Any) -> bool:
+    # No import: if keras_tfr.source was never imported, `x` cannot be one of its sources.
+    source = sys.modules.get("keras_tfr.source")
+    return source is not None and isinstance(x, source.TFRecordSequenceSource)
+
+
+def install_shuffle_warning_filter() -> bool:
+    """Stops Keras' "`shuffle=True` ... will be ignored" warning for keras-tfr sources only.
+
+    ``fit`` defaults to ``shuffle=True``, and Keras 3.15 warns on every ``fit`` with a
+    `tf.data.Dataset` that this flag is ignored. A `TFRecordSequenceSource` shuffles by its
+    own ``shuffle=`` and ``seed=`` arguments, so for it the warning is wrong; for any other
+    data set (a user's own `tf.data.Dataset` included, and a source after ``.map`` or
+    ``.repeat``, which is no longer a source) Keras is called unchanged and still warns.
+
+    It wraps the private ``keras.src.trainers.epoch_iterator.EpochIterator.__init__``
+    (see the module docstring) so that, when ``x`` is a `TFRecordSequenceSource`, Keras
+    gets ``shuffle=False``. Idempotent and thread-safe; a no-op (returns False) when the
+    installed Keras is outside `KERAS_VERIFIED` or the API is not where it was.
+
+    Returns:
+        True when the filter is in place (now or from an earlier call).
+
+    Example:
+        >>> from keras_tfr import _compat
+        >>> _compat.install_shuffle_warning_filter()
+        True
+    """
+    with _lock:
+        try:
+            verified = keras_version_verified()
+        except ImportError:  # no Keras: nothing to quiet
+            return False
+        if not verified:
+            log.debug("keras-tfr: Keras outside %s; Keras' shuffle warning left on", KERAS_VERIFIED)
+            return False
+        try:
+            iterator_class = getattr(importlib.import_module(EPOCH_ITERATOR_MODULE), EPOCH_ITERATOR)
+            original = iterator_class.__init__
+            signature = inspect.signature(original)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:  # the API moved
+            log.debug("keras-tfr: %s.%s not found (%s)", EPOCH_ITERATOR_MODULE, EPOCH_ITERATOR, e)
+            return False
+        if getattr(original, _MARK, False):
+            return True
+        if not {"self", "x", "shuffle"} <= set(signature.parameters):
+            return False
+
+        @functools.wraps(original)
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("shuffle") and _is_keras_tfr_source(bound.arguments.get("x")):
+                # The source shuffles itself; for a tf.data.Dataset Keras' `shuffle` only warns.
+                bound.arguments["shuffle"] = False
+            original(*bound.args, **bound.kwargs)
+
+        setattr(__init__, _MARK, True)
+        iterator_class.__init__ = __init__
+        return True

@@ -1,0 +1,274 @@
+"""Quiet output: Keras' shuffle warning off for sources only, TensorFlow's start-up lines.
+
+`keras_tfr._compat` holds keras-tfr's private Keras API use; the first test here fails
+loudly, naming the API, when Keras moves it or the installed Keras was never verified.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+from keras_tfr import _compat, _quiet
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _original_init(iterator_class):
+    init = iterator_class.__init__
+    return getattr(init, "__wrapped__", init) if getattr(init, _compat._MARK, False) else init
+
+
+def test_private_keras_api_is_where_compat_expects_it():
+    import importlib
+
+    import keras
+
+    low, high = _compat.KERAS_VERIFIED
+    assert _compat.keras_version_verified(), (
+        f"Keras {keras.__version__} is outside the range keras_tfr/_compat.py was verified "
+        f"on ({low} to {high}, exclusive): check each private API its docstring lists, "
+        "then widen KERAS_VERIFIED."
+    )
+    epoch_iterator = importlib.import_module(_compat.EPOCH_ITERATOR_MODULE)
+    iterator_class = getattr(epoch_iterator, _compat.EPOCH_ITERATOR)
+    init = _original_init(iterator_class)
+    params = list(inspect.signature(init).parameters)
+    assert params[:2] == ["self", "x"] and "shuffle" in params, (
+        f"{_compat.EPOCH_ITERATOR_MODULE}.EpochIterator.__init__ changed: {params}"
+    )
+    # It hands `shuffle` to get_data_adapter, which is what warns.
+    body = inspect.getsource(init)
+    assert f"{_compat.GET_DATA_ADAPTER}(" in body and "shuffle=shuffle" in body, body
+    adapters = importlib.import_module(_compat.DATA_ADAPTERS_MODULE)
+    get_data_adapter = getattr(adapters, _compat.GET_DATA_ADAPTER)
+    assert {"x", "shuffle"} <= set(inspect.signature(get_data_adapter).parameters)
+    # It warns for a tf.data.Dataset with shuffle=True (what the filter exists for), and
+    # only then: the flag has no other effect for a data set.
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.range(4).batch(2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        shuffled = get_data_adapter(x=dataset, shuffle=True)
+        assert len(_shuffle_warnings(record)) == 1, [str(w.message) for w in record]
+        plain = get_data_adapter(x=dataset, shuffle=False)
+        assert len(_shuffle_warnings(record)) == 1
+    assert type(shuffled) is type(plain) and vars(shuffled).keys() == vars(plain).keys()
+    # Every backend's iterator goes through EpochIterator.__init__: inherited, or called
+    # as super().__init__.
+    for module, name in [
+        ("keras.src.backend.tensorflow.trainer", "TFEpochIterator"),
+        ("keras.src.backend.jax.trainer", "JAXEpochIterator"),
+        ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
+    ]:
+        try:
+            sub = getattr(importlib.import_module(module), name)
+        except ImportError:  # that backend's framework is not installed
+            continue
+        assert issubclass(sub, iterator_class)
+        own = vars(sub).get("__init__")
+        assert own is None or "super().__init__(" in inspect.getsource(own), f"{module}.{name}"
+
+
+@pytest.mark.parametrize(
+    "version, expected",
+    [("3.14.9", False), ("3.15.0", True), ("3.15.1", True), ("3.16.0", False), ("4.0", False)],
+)
+def test_keras_version_range(version, expected):
+    assert _compat.keras_version_verified(version) is expected
+
+
+def _shuffle_warnings(record):
+    return [w for w in record if _compat.SHUFFLE_WARNING in str(w.message)]
+
+
+def test_fit_on_a_source_does_not_warn_but_a_users_dataset_does(make_dataset, small_xy):
+    import keras
+    import tensorflow as tf
+
+    from keras_tfr import TFRecordSequenceSource
+
+    x, y = small_xy
+    source = TFRecordSequenceSource(make_dataset(x, y), batch_size=8, shuffle=True, seed=0)
+    assert _compat.install_shuffle_warning_filter() is True
+    assert _compat.install_shuffle_warning_filter() is True  # idempotent: wrapped once
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    assert not getattr(EpochIterator.__init__.__wrapped__, _compat._MARK, False)
+
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.Flatten(), keras.layers.Dense(34)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    users = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(source, epochs=1, verbose=0)  # shuffle=True is fit's default
+        assert _shuffle_warnings(record) == []
+        model.fit(users, epochs=1, verbose=0)
+        from_user = _shuffle_warnings(record)
+        assert len(from_user) == 1
+        # Keras' own location, as without keras-tfr (no wrapper frame in between).
+        assert from_user[0].filename.endswith(os.path.join("trainers", "epoch_iterator.py"))
+        model.fit(source.map(lambda a, b: (a, b)), epochs=1, verbose=0)  # no longer a source
+        assert len(_shuffle_warnings(record)) == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs `_compat.install_shuffle_warning_filter()` in TFRecordSequenceSource.__init__ "
+    "(keras_tfr/source.py, the lead's file); remove this marker once it is there",
+)
+def test_constructing_a_source_installs_the_filter(make_dataset, small_xy, monkeypatch):
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    from keras_tfr import TFRecordSequenceSource
+
+    directory = make_dataset(*small_xy)
+    # Keras as it was before any filter (another test may have installed one already).
+    monkeypatch.setattr(EpochIterator, "__init__", _original_init(EpochIterator))
+    assert not getattr(EpochIterator.__init__, _compat._MARK, False)
+    TFRecordSequenceSource(directory, batch_size=8)
+    assert getattr(EpochIterator.__init__, _compat._MARK, False)
+
+
+# -- TensorFlow's start-up lines ----------------------------------------------------------
+
+NOISE = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1796102325.200200    6787 port.cc:153] oneDNN custom operations are on.",
+    "I0000 00:00:1796102325.200653    6787 cudart_stub.cc:31] Could not find cuda drivers",
+    "W0000 00:00:1796102325.2    6787 some_file.cc:1] a warning before InitializeLog",
+]
+CUINIT = (
+    "E0000 00:00:1796102329.860795    6787 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)"
+)
+KEPT = [
+    "/home/me/train.py:12: UserWarning: my own warning",
+    "WARNING:tensorflow:a Python-level TensorFlow warning",
+    "I0512 10:11:12.123456 140 train.py:9] absl-py logging carries a real date",
+    "F0000 00:00:1796102329.8    6787 other.cc:7] fatal lines always stay",
+    "epoch 1/3 - loss 0.5",
+]
+
+
+@pytest.mark.parametrize("line", NOISE)
+def test_startup_noise_is_dropped_at_level_2(line):
+    assert _quiet.is_startup_noise(line + "\n", 2)
+    assert _quiet.is_startup_noise("[3] " + line, 2)  # keras_tfr.parallel's prefix
+    assert not _quiet.is_startup_noise(line, 0)  # the user asked for everything
+
+
+@pytest.mark.parametrize("line", KEPT)
+def test_everything_else_stays(line):
+    for level in (0, 1, 2, 3):
+        assert not _quiet.is_startup_noise(line, level)
+
+
+def test_cpp_errors_stay_below_level_3():
+    error = "E0000 00:00:1796102329.8    6787 other.cc:7] an error from C++ that is not cuInit"
+    for level in (0, 1, 2):
+        assert not _quiet.is_startup_noise(error, level)
+    assert _quiet.is_startup_noise(error, 3)  # TF_CPP_MIN_LOG_LEVEL=3 asks to hide errors
+
+
+def test_levels_follow_tf_cpp_min_log_level(monkeypatch):
+    warning = NOISE[3]
+    assert not _quiet.is_startup_noise(warning, 1)
+    assert _quiet.is_startup_noise(warning, 2)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    assert not _quiet.is_startup_noise(warning)
+    assert _quiet.is_startup_noise(NOISE[1])
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    assert _quiet.is_startup_noise(CUINIT)
+
+
+def test_cuinit_failure_is_dropped_only_without_an_nvidia_device(monkeypatch):
+    monkeypatch.setattr(_quiet, "_no_nvidia_device", lambda: True)
+    assert _quiet.is_startup_noise(CUINIT, 2)
+    assert not _quiet.is_startup_noise(CUINIT, 0)
+    monkeypatch.setattr(_quiet, "_no_nvidia_device", lambda: False)  # a GPU whose driver fails
+    assert not _quiet.is_startup_noise(CUINIT, 2)
+
+
+def test_filtered_output_passes_whole_lines_on():
+    out = io.StringIO()
+    stream = _quiet.FilteredOutput(out, min_level=2)
+    stream.write("[0] " + NOISE[1] + "\n[1] keep me\n[2] and ")
+    stream.write("me\n")
+    stream.flush()
+    assert out.getvalue() == "[1] keep me\n[2] and me\n"
+
+
+def test_quiet_stderr_replays_all_but_noise(capfd):
+    with _quiet.quiet_stderr(min_level=2):
+        os.write(2, ("\n".join([*NOISE, *KEPT]) + "\n").encode())
+        print("to stdout, untouched")
+        print("mine, from Python's sys.stderr", file=sys.stderr)
+    captured = capfd.readouterr()
+    assert captured.out == "to stdout, untouched\n"
+    lines = captured.err.splitlines()
+    assert [line for line in lines if line in KEPT] == KEPT
+    assert "mine, from Python's sys.stderr" in lines
+    assert len(lines) == len(KEPT) + 1
+    assert not any(noise in captured.err for noise in NOISE)
+
+
+def test_quiet_stderr_replays_when_the_block_raises(capfd):
+    with pytest.raises(RuntimeError), _quiet.quiet_stderr(min_level=2):
+        os.write(2, b"before the error\n")
+        raise RuntimeError("boom")
+    assert capfd.readouterr().err == "before the error\n"
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=300
+    )
+
+
+@pytest.mark.subprocess
+def test_a_first_fit_shows_only_what_the_user_can_act_on(make_dataset):
+    # The whole stderr of a process that imports TensorFlow, fits on a source and on the
+    # user's own tf.data.Dataset, and warns for itself.
+    x = np.random.default_rng(0).standard_normal((40, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    directory = make_dataset(x, y)
+    code = textwrap.dedent(
+        f"""
+        from keras_tfr._quiet import import_tensorflow_quietly
+        import_tensorflow_quietly()
+        import warnings
+        import keras
+        import tensorflow as tf
+        from keras_tfr import TFRecordSequenceSource, _compat
+        _compat.install_shuffle_warning_filter()  # until source.py calls it itself
+        source = TFRecordSequenceSource({directory!r}, batch_size=16, seed=0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(source, epochs=1, verbose=0)
+        print("fitted on the source", flush=True)
+        x, y = next(iter(source.unbatch().batch(40)))
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+        warnings.warn("the user's own warning")
+        """
+    )
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "fitted on the source" in result.stdout
+    err = result.stderr
+    assert err.count(_compat.SHUFFLE_WARNING) == 1, err  # the user's data set's, only
+    assert "UserWarning: the user's own warning" in err
+    for noise in ("absl::InitializeLog", "I0000 ", "port.cc", "cudart_stub.cc"):
+        assert noise not in err, err
+    if _quiet._no_nvidia_device():
+        assert "cuInit" not in err, err
