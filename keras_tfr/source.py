@@ -148,6 +148,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         from keras_tfr import _compat_read
 
         _compat_read.install_corrupt_record_errors()
+        from keras_tfr import _compat
+
+        _compat.install_shuffle_warning_filter()  # Keras' shuffle warning is wrong for a source
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,
@@ -323,7 +326,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return self.replace(batch_size=batch_size)
 
     @staticmethod
-    def from_tfrecords(paths_or_glob: Any, features: Any = None, batch_size: int = 32, **kwargs):
+    def from_tfrecords(
+        paths_or_glob: Any, features: Any = None, batch_size: int = 32, **kwargs: Any
+    ) -> tf.data.Dataset:
         """Streams TFRecord files written by other tools (one `tf.train.Example` per sample).
 
         See `keras_tfr.tfrecords.from_tfrecords` for the arguments. Returns a

@@ -67,19 +67,9 @@ def _missing_annotations(function) -> list[str]:
     return missing
 
 
-_SOURCE_UNTYPED = pytest.mark.xfail(
-    strict=True,
-    reason="TFRecordSequenceSource.from_tfrecords lacks annotations (**kwargs, return) in "
-    "keras_tfr/source.py, the lead's file; remove this marker once they are there",
-)
-
-
 @pytest.mark.parametrize(
     "module, name",
-    [
-        pytest.param(m, n, marks=_SOURCE_UNTYPED) if n == "TFRecordSequenceSource" else (m, n)
-        for m, n in PUBLIC
-    ],
+    PUBLIC,
     ids=IDS,
 )
 def test_public_name_is_fully_annotated(module, name):

@@ -121,11 +121,6 @@ def test_fit_on_a_source_does_not_warn_but_a_users_dataset_does(make_dataset, sm
         assert len(_shuffle_warnings(record)) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs `_compat.install_shuffle_warning_filter()` in TFRecordSequenceSource.__init__ "
-    "(keras_tfr/source.py, the lead's file); remove this marker once it is there",
-)
 def test_constructing_a_source_installs_the_filter(make_dataset, small_xy, monkeypatch):
     from keras.src.trainers.epoch_iterator import EpochIterator
 
