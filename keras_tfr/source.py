@@ -387,7 +387,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             shares = [order.size]
         else:
             shares = [share(w).size for w in range(opts.num_workers)]
-            if min(shares) == 0 and sum(shares):
+            if min(shares) == 0 and sum(shares) > 0:
                 raise ValueError(
                     f"`num_workers={opts.num_workers}` leaves a worker without samples: the "
                     f"subset holds {sum(shares)}."
@@ -502,7 +502,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         structure = self._structure_fn() if not self._decode else (lambda d: d)
         rows = opts.batch_size if opts.drop_remainder else None
 
-        def decode(*u8):
+        def decode(*u8: Any) -> Any:
             return structure(
                 {
                     s.key: tf_bytes_to_feature(tf.ensure_shape(t, [rows, s.sample_bytes]), s)
@@ -597,7 +597,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         structure = self._manifest.structure
         specs = self._specs
 
-        def role_value(decoded, role):
+        def role_value(decoded: dict, role: str) -> Any:
             kind = structure[role]
             role_specs = [s for s in specs if s.role == role]
             if kind == "array":
@@ -608,7 +608,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         roles = [r for r in ("x", "y", "sample_weight") if r in structure]
 
-        def fn(decoded):
+        def fn(decoded: dict) -> Any:
             values = tuple(role_value(decoded, r) for r in roles)
             return values[0] if len(values) == 1 else values
 

@@ -91,7 +91,7 @@ class GraphReader:
         if self.service is not None:
             return self.epoch(None)
 
-        def ask():
+        def ask() -> tuple[np.int64, np.int64]:
             epoch, start = next_epoch()
             return np.int64(epoch), np.int64(start)
 
@@ -148,13 +148,13 @@ class GraphReader:
         frame = framing.frame_size(m.record_bytes)
         fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
 
-        def read_fixed_shard(path, first_record, n_records):
+        def read_fixed_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             records = _records_or_empty(path, compression)
             end = tf.data.Dataset.from_tensors(tf.constant(b""))  # records are never empty
             indexed = records.ignore_errors().concatenate(end).enumerate()
 
-            def keep_record(i, record):
-                def at_end():
+            def keep_record(i: Any, record: Any) -> Any:
+                def at_end() -> Any:
                     ok = self._check_shard_end(path, i, i * frame, n_records, tf.constant(True))
                     return tf.logical_and(ok, tf.equal(tf.strings.length(record), -1))
 
@@ -166,7 +166,7 @@ class GraphReader:
 
             return indexed.filter(keep_record)
 
-        def read_shard(path, first_record, n_records):
+        def read_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             if fixed_layout:
                 return read_fixed_shard(path, first_record, n_records)
             records = _records_or_empty(path, compression)
@@ -175,7 +175,7 @@ class GraphReader:
             records = records.ignore_errors().map(lambda r: (r, False))
             sentinel = tf.data.Dataset.from_tensors((tf.constant(b""), True))
 
-            def scan_fn(state, elem):
+            def scan_fn(state: Any, elem: Any) -> Any:
                 index, offset = state
                 record, is_end = elem
                 if_end_ok = self._check_shard_end(path, index, offset, n_records, is_end)
@@ -230,7 +230,7 @@ class GraphReader:
         has_short_record = m.total_samples % spr != 0
         shuffle = self.shuffle
 
-        def parse_pool(serialized):
+        def parse_pool(serialized: Any) -> Any:
             parsed = tf.io.parse_example(serialized, feature_spec)
             decoded = {s.key: tf_decode_feature(parsed[s.key], s, spr) for s in fixed_specs}
             return decoded, parsed
@@ -239,7 +239,7 @@ class GraphReader:
         if fixed_layout and not variable_specs:
             fast_decode = _fixed_layout_decoder(specs, spr, m.record_bytes, parse_pool)
 
-        def decode_pool(serialized, rand):
+        def decode_pool(serialized: Any, rand: Any) -> Any:
             if fast_decode is not None:
                 decoded, counts_ = fast_decode(serialized)
                 variable = {}
@@ -293,7 +293,9 @@ class GraphReader:
         batches = pools.rebatch(self.batch_size, drop_remainder=self.drop_remainder)
         return batches
 
-    def _check_shard_end(self, path, index, offset, n_records, is_end):
+    def _check_shard_end(
+        self, path: Any, index: Any, offset: Any, n_records: Any, is_end: Any
+    ) -> Any:
         """At a shard's end marker: True if all records were read, else raise or skip."""
         complete = tf.logical_or(tf.logical_not(is_end), tf.equal(index, n_records))
         if self.on_corrupt == "raise":
@@ -314,7 +316,7 @@ class GraphReader:
             with tf.control_dependencies([assert_op]):
                 return tf.identity(tf.constant(True))
 
-        def report(p, off, idx, n):
+        def report(p: Any, off: Any, idx: Any, n: Any) -> np.bool_:
             return np.bool_(self.report_skip(p.numpy().decode(), int(off), int(idx), int(n)))
 
         return tf.cond(
@@ -324,7 +326,9 @@ class GraphReader:
         )
 
 
-def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool):
+def _fixed_layout_decoder(
+    specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool: Callable
+) -> Callable | None:
     """Decodes pools of full records by offset: one `decode_raw` of the whole records,
     then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
     copies every payload out) followed by a `decode_raw` per feature.
@@ -342,7 +346,7 @@ def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int,
     header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
     header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
 
-    def fast(serialized):
+    def fast(serialized: Any) -> Any:
         u8 = tf.io.decode_raw(serialized, tf.uint8)  # [k, record_bytes]
         got = tf.gather(u8, header_positions, axis=1)
         ok = tf.reduce_all(tf.equal(got, header_bytes[None, :]))
@@ -362,18 +366,18 @@ def _fixed_layout_decoder(specs: list[FeatureSpec], spr: int, record_bytes: int,
         k = tf.shape(serialized, out_type=tf.int64)[0]
         return decoded, tf.fill([k], tf.constant(spr, tf.int64))
 
-    def slow(serialized):
+    def slow(serialized: Any) -> Any:
         decoded, parsed = parse_pool(serialized)
         return decoded, parsed[COUNT_KEY]
 
-    def decode(serialized):
+    def decode(serialized: Any) -> Any:
         full = tf.reduce_all(tf.equal(tf.strings.length(serialized), record_bytes))
         return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
 
     return decode
 
 
-def _records_or_empty(path, compression: str):
+def _records_or_empty(path: Any, compression: str) -> tf.data.Dataset:
     """`TFRecordDataset` of one shard; empty when the file does not exist.
 
     A file that cannot be opened makes `ignore_errors` retry it forever (TensorFlow's

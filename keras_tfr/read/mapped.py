@@ -169,7 +169,7 @@ class _Region:
         for k in range(len(files)):
             self.map(k)
         buf = (ctypes.c_uint8 * self.total).from_address(self.base)
-        self.array = np.frombuffer(buf, dtype=np.uint8)
+        self.array = np.frombuffer(memoryview(buf), dtype=np.uint8)
         self.array.flags.writeable = False
 
     def map(self, k: int) -> None:
@@ -641,20 +641,20 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     import tensorflow as tf
     from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
-    def init(_unused):
+    def init(_unused: Any) -> np.int64:
         number, start = next_epoch()
         eid = next(_ids)
         with _registry_lock:
             _registry[eid] = Epoch(plan, number, start)
         return np.int64(eid)
 
-    def next_block(eid):
+    def next_block(eid: Any) -> list[np.ndarray]:
         epoch = _registry.get(int(eid))
         if epoch is None:  # pragma: no cover - the iterator is gone
             raise StopIteration
         return epoch.next_block()
 
-    def finalize(eid):
+    def finalize(eid: Any) -> np.int64:
         with _registry_lock:
             epoch = _registry.pop(int(eid), None)
         if epoch is not None:
@@ -664,7 +664,7 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     n_specs = len(plan.specs)
     spec = tuple(tf.TensorSpec([None, None, sb], tf.uint8) for sb in plan.sample_bytes)
 
-    def cut(eid):
+    def cut(eid: Any) -> tuple:
         outs = tf.numpy_function(next_block, [eid], [tf.uint8] * n_specs, stateful=True)
         return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
 

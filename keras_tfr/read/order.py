@@ -141,7 +141,8 @@ class SampleOrder:
         batch_size: int,
     ):
         self.total = int(total)
-        self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy)
+        entropy = np.random.SeedSequence().entropy
+        self.seed = int(seed) if seed is not None else int(entropy)  # type: ignore[arg-type]
         self.shuffle = bool(shuffle)
         self.batch_size = int(batch_size)
         # The subset as a run [lo, hi) of positions of the split permutation (or of the
