@@ -313,3 +313,16 @@ def test_iterator_checkpoints_need_block_mode(data, tmp_path):
     it2 = iter(src)
     tf.train.Checkpoint(iterator=it2).restore(path)
     assert np.array_equal(next(it2)[1].numpy(), expected)
+
+
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_replace_directory_reads_the_other_data_set(data, tmp_path, access):
+    d, _, _ = data
+    other = str(tmp_path / "other")
+    ArraysToRecords.from_arrays(np.ones((30, 7), np.float32), np.arange(5000, 5030), other)
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=False, access=access)
+    moved = src.replace(directory=other)
+    assert moved.num_samples == 30 and len(moved) == 3
+    assert sorted(_epoch(moved).tolist()) == list(range(5000, 5030))
+    assert repr(other) in repr(moved)
+    assert src.replace(batch_size=20).manifest is src.manifest  # same data: no re-read
