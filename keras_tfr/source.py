@@ -89,8 +89,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
             cannot resume inside a shard).
         max_corrupt_records: with ``on_corrupt="skip"``, stop with a `CorruptRecordError`
             once more than this many records were dropped.
-        num_parallel_reads: reader threads (sample mode, default 4-8) or shards read at
-            once (block mode, default up to 8).
+        num_parallel_reads: reader threads (sample mode, default one per core, 2 to 8) or
+            shards read at once (block mode, default up to 8).
         deterministic: block mode: element order reproducible across runs; default True
             unless ``shuffle=True`` without a ``seed``. Sample mode is always ordered.
         check_files: check at construction that every shard exists with its size.
@@ -492,7 +492,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             order=self._order,
             num_batches=self._steps - self._pad_batches,
             batch_size=opts.batch_size,
-            readers=opts.num_parallel_reads or min(8, max(4, os.cpu_count() or 4)),
+            readers=opts.num_parallel_reads or min(8, max(2, os.cpu_count() or 2)),
             verify=opts.verify,
             skip=skip if opts.on_corrupt == "skip" else None,
         )
