@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from keras_tfr import ArraysToRecords, writer
+from keras_tfr import ArraysToRecords
+from keras_tfr.write import sink
 
 MODES = {"durable": (True, True), "fsync only": (True, False), "not durable": (False, False)}
 
@@ -40,7 +41,7 @@ def main() -> None:
     x = np.random.default_rng(0).standard_normal((n, 28, 28), dtype=np.float32)
     y = np.arange(n, dtype=np.int64)
     root = tempfile.mkdtemp(dir=args.dir, prefix="keras-tfr-fsync-")
-    real_sync, real_writeback = ArraysToRecords._sync_shards, writer._start_writeback
+    real_sync, real_writeback = sink.ShardFiles.sync, sink.start_writeback
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         for _ in range(args.repeats):
@@ -48,14 +49,14 @@ def main() -> None:
                 d = os.path.join(root, "ds")
                 shutil.rmtree(d, ignore_errors=True)
                 os.sync()
-                ArraysToRecords._sync_shards = real_sync if sync else (lambda self: None)
-                writer._start_writeback = real_writeback if writeback else (lambda path: None)
+                sink.ShardFiles.sync = real_sync if sync else (lambda self: None)
+                sink.start_writeback = real_writeback if writeback else (lambda path: None)
                 start = time.perf_counter()
                 ArraysToRecords.from_arrays(x, y, d, verbose=0)
                 times[mode].append(time.perf_counter() - start)
     finally:
-        ArraysToRecords._sync_shards = real_sync
-        writer._start_writeback = real_writeback
+        sink.ShardFiles.sync = real_sync
+        sink.start_writeback = real_writeback
         shutil.rmtree(root, ignore_errors=True)
     nbytes = x.nbytes + y.nbytes
     best = {mode: min(t) for mode, t in times.items()}

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "ArraysToRecords": "keras_tfr.writer",
+    "ArraysToRecords": "keras_tfr.write.arrays_to_records",
     "BackupAndRestore": "keras_tfr.backup",
     "TFRecordSequenceSource": "keras_tfr.source",
     "limit_gpu_memory": "keras_tfr.gpu",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from keras_tfr.source import TFRecordSequenceSource
     from keras_tfr.tfrecords import TensorFeature, convert_tfrecords
     from keras_tfr.verifier import verify
-    from keras_tfr.writer import ArraysToRecords
+    from keras_tfr.write.arrays_to_records import ArraysToRecords
 
 
 def __getattr__(name: str) -> Any:

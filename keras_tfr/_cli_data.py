@@ -148,7 +148,7 @@ def run_convert(args: argparse.Namespace) -> int:
     x = _role_value(args.x)
     y = _role_value(args.y)
     sw = load_array(args.sample_weight) if args.sample_weight else None
-    from keras_tfr.writer import ArraysToRecords
+    from keras_tfr.write.arrays_to_records import ArraysToRecords
 
     manifest = ArraysToRecords.from_arrays(
         x,

@@ -79,7 +79,8 @@ def predict_to_records(
     """
     import keras
 
-    from keras_tfr.writer import ArraysToRecords
+    from keras_tfr.write.arrays_to_records import ArraysToRecords
+    from keras_tfr.write.options import WriteOptions
 
     if not hasattr(model, "predict_on_batch"):
         raise TypeError(f"Expected `model` to be a Keras model. Received: {type(model).__name__}")
@@ -95,8 +96,7 @@ def predict_to_records(
     expected = None
     if steps is None and hasattr(source, "num_samples"):
         expected = int(source.num_samples)
-    writer = ArraysToRecords(
-        directory,
+    options = WriteOptions(
         overwrite=overwrite,
         shard_size=shard_size,
         record_size=record_size,
@@ -106,6 +106,7 @@ def predict_to_records(
         verbose=verbose,
         metadata=metadata,
     )
+    writer = ArraysToRecords._from_options(directory, options)
     with writer:
         for step, batch in enumerate(source):
             if steps is not None and step >= steps:

@@ -144,7 +144,7 @@ class FeatureSpec:
 
     @classmethod
     def from_array(cls, role: str, name: str, array: Any, *, argument: str) -> FeatureSpec:
-        kind = getattr(array, "feature_kind", "fixed")  # writer._Variable: ragged / bytes
+        kind = getattr(array, "feature_kind", "fixed")  # write.inputs.Variable: ragged / bytes
         if kind != "fixed":
             return cls(role, name, array.dtype.name, tuple(array.row_shape), kind)
         dt = check_dtype(array.dtype, argument=argument)

@@ -654,7 +654,8 @@ def convert_tfrecords(
         >>> convert_tfrecords("old/*.tfrecord", "data/train", y="label")
         >>> train = TFRecordSequenceSource("data/train", batch_size=256)
     """
-    from keras_tfr.writer import ArraysToRecords
+    from keras_tfr.write.arrays_to_records import ArraysToRecords
+    from keras_tfr.write.options import WriteOptions
 
     ds = from_tfrecords(
         sources,
@@ -676,8 +677,7 @@ def convert_tfrecords(
     def role_key(role: str, name: str) -> str:
         return role if isinstance(roles[role], str) else f"{role}/{name}"
 
-    writer = ArraysToRecords(
-        directory,
+    options = WriteOptions(
         shard_size=shard_size,
         record_size=record_size,
         samples_per_record=samples_per_record,
@@ -688,6 +688,7 @@ def convert_tfrecords(
         verbose=verbose,
         metadata={"converted_from": "tfrecords"},
     )
+    writer = ArraysToRecords._from_options(directory, options)
     import tensorflow as tf
 
     with writer:

@@ -362,7 +362,7 @@ def test_full_records_of_every_dtype_decode_by_offset(make_dataset, shuffle):
 
 
 def test_record_with_valid_crc_but_wrong_layout_is_refused(make_dataset):
-    from keras_tfr.writer import _FramedFile
+    from keras_tfr.write.sink import _FramedFile
 
     x = np.arange(64, dtype=np.float32).reshape(16, 4)
     d = make_dataset(x, np.arange(16), samples_per_record=4, min_shards=1)

@@ -107,16 +107,16 @@ def test_a_shard_that_cannot_be_synced_leaves_no_manifest(tmp_path, monkeypatch)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_write_back_of_each_shard_starts_as_it_closes(tmp_path, monkeypatch):
-    from keras_tfr import writer
+    from keras_tfr.write import sink
 
     started = []
-    real = writer._start_writeback
+    real = sink.start_writeback
 
     def start(path):
         started.append((os.path.basename(path), real(path)))
         return started[-1][1]
 
-    monkeypatch.setattr(writer, "_start_writeback", start)
+    monkeypatch.setattr(sink, "start_writeback", start)
     x = np.arange(400, dtype=np.float32).reshape(100, 4)
     m = ArraysToRecords.from_arrays(x, str(tmp_path / "ds"), samples_per_record=4, verbose=0)
     assert started == [(s.file + ".tmp", True) for s in m.shards]

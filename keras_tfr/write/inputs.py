@@ -1,0 +1,352 @@
+"""Input normalization: arrays, memmaps, h5py data sets, dicts, lists and iterables of
+batches become validated `Batch`es of array-likes, one per feature in key order.
+
+Nothing here reads more than a slice of the input: arrays are kept as given (a memmap or
+an h5py data set stays on disk) and sliced by the writer chunk by chunk. Variable-length
+features (lists of arrays or of byte strings) become `Variable`s, which slice like arrays.
+The memmap page advice (`populate_pages`, `release_pages`) keeps a conversion's memory
+flat when its input is a file mapping larger than RAM.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from keras_tfr.schema import FeatureSpec, check_dtype
+
+
+def is_array_like(v: Any) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__getitem__")
+
+
+def _flatten(
+    role: str, value: Any, variable: frozenset = frozenset()
+) -> tuple[str, list[tuple[str, Any]]] | None:
+    """Returns (structure, [(name, array_like)]) for one role, or None when absent.
+
+    `variable` holds the feature keys declared variable-length (``variable_length=``).
+    """
+    if value is None:
+        return None
+    if role in variable and isinstance(value, (list, tuple)):
+        return "array", [("", Variable.from_values(value, role))]
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError(f"Expected `{role}` to be a non-empty dict of arrays. Received: {{}}")
+        items = []
+        for k in sorted(value, key=str):
+            if not isinstance(k, str) or not k or "/" in k or "\x00" in k or len(k) > 255:
+                raise ValueError(
+                    f"Expected the keys of `{role}` to be non-empty strings without '/'. "
+                    f"Received: key {k!r}"
+                )
+            items.append((k, _as_array_like(value[k], f"{role}[{k!r}]", f"{role}/{k}" in variable)))
+        return "dict", items
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"Expected `{role}` to be a non-empty list of arrays. Received: []")
+        return "list", [
+            (str(i), _as_array_like(v, f"{role}[{i}]", f"{role}/{i}" in variable))
+            for i, v in enumerate(value)
+        ]
+    return "array", [("", _as_array_like(value, role, role in variable))]
+
+
+def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
+    if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
+        return Variable.from_values(v, argument)
+    if is_array_like(v):
+        return v
+    if isinstance(v, (int, float, bool, np.generic)):
+        raise ValueError(
+            f"Expected `{argument}` to be an array whose first axis indexes samples. "
+            f"Received: the scalar {v!r}"
+        )
+    if hasattr(v, "numpy") and callable(v.numpy):  # tf / torch / jax tensors
+        return np.asarray(v.numpy())
+    try:
+        return np.asarray(v)
+    except Exception as e:
+        raise TypeError(
+            f"Expected `{argument}` to be a NumPy array, np.memmap, h5py data set or any "
+            f"array-like with `shape`, `dtype` and slicing. Received: {type(v).__name__}"
+        ) from e
+
+
+class Variable:
+    """A variable-length feature's samples: arrays of varying first axis, or byte strings.
+
+    Looks like an array of ``len(items)`` samples to the writer (``shape``, ``dtype``,
+    slicing); `FeatureSpec.from_array` reads ``feature_kind`` and ``row_shape``.
+    """
+
+    def __init__(self, items: list, kind: str, dtype: np.dtype, row_shape: tuple[int, ...]):
+        self.items = items
+        self.feature_kind = kind
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self.shape = (len(items),)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: slice) -> Variable:
+        return Variable(self.items[index], self.feature_kind, self.dtype, self.row_shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.feature_kind == "bytes":
+            return sum(len(v) for v in self.items)
+        return sum(a.nbytes for a in self.items)
+
+    @classmethod
+    def from_values(cls, values: Any, argument: str) -> Variable:
+        if isinstance(values, np.ndarray) and values.dtype != object:
+            if values.ndim < 2:
+                raise ValueError(
+                    f"Expected `{argument}` (declared variable-length) to hold samples of at "
+                    f"least one dimension. Received: an array of shape {values.shape}"
+                )
+            values = list(values)
+        items = list(values)
+        if not items:
+            raise ValueError(f"Expected at least one sample in `{argument}`. Received: none.")
+        if all(isinstance(v, (bytes, bytearray, memoryview, np.bytes_)) for v in items):
+            items = [bytes(v) if not isinstance(v, bytes) else v for v in items]
+            return cls(items, "bytes", np.dtype(np.uint8), ())
+        arrays = []
+        first = None
+        for i, v in enumerate(items):
+            if isinstance(v, (str, bytes, bytearray, memoryview, dict)) or v is None:
+                raise TypeError(
+                    f"Expected `{argument}` to be a list (or 1-D object array) of NumPy arrays "
+                    "of at least one dimension, or of byte strings (all of one kind). "
+                    f"Received: element {i} of type {type(v).__name__}"
+                    + (" (encode strings to bytes first)" if isinstance(v, str) else "")
+                )
+            a = np.asarray(v)
+            if a.dtype == object or a.ndim == 0:
+                raise TypeError(
+                    f"Expected `{argument}` to be a list (or 1-D object array) of NumPy arrays "
+                    "of at least one dimension, or of byte strings. Received: element "
+                    f"{i} of dtype {a.dtype} and shape {a.shape}"
+                )
+            if first is None:
+                first = a
+                dt = check_dtype(a.dtype, argument=argument)
+            elif a.dtype != first.dtype or a.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"Expected every sample of `{argument}` to have dtype {first.dtype} and "
+                    f"shape (length, *{first.shape[1:]}). Received: element {i} of dtype "
+                    f"{a.dtype} and shape {a.shape}"
+                )
+            arrays.append(a)
+        assert first is not None  # `items` is not empty (checked above)
+        le = dt.newbyteorder("<") if dt.itemsize > 1 else dt
+        if dt == np.bool_:
+            arrays = [np.ascontiguousarray(a, dtype=np.bool_).view(np.uint8) for a in arrays]
+        else:
+            arrays = [np.ascontiguousarray(a, dtype=le) for a in arrays]
+        return cls(arrays, "ragged", dt, tuple(int(d) for d in first.shape[1:]))
+
+    def payload(self) -> tuple[bytes, bytes]:
+        """The block's values back to back, and per sample its length (rows or bytes)."""
+        if self.feature_kind == "bytes":
+            lengths = [len(v) for v in self.items]
+        else:
+            lengths = [a.shape[0] for a in self.items]
+            values = b"".join(a.reshape(-1).view(np.uint8) for a in self.items)
+            return values, np.asarray(lengths, dtype="<i8").tobytes()
+        return b"".join(self.items), np.asarray(lengths, dtype="<i8").tobytes()
+
+
+def join_payload(spec: FeatureSpec, parts: list[Any]) -> Any:
+    """One block's payload of `spec` from the parts pending for it."""
+    if spec.kind == "fixed":
+        return b"".join(memoryview(a).cast("B") for a in parts)
+    items = [item for part in parts for item in part.items]
+    return Variable(items, spec.kind, np.dtype(spec.dtype), spec.shape).payload()
+
+
+def mean_sample_bytes(spec: FeatureSpec, array: Any) -> float:
+    if spec.kind == "fixed":
+        return float(spec.sample_bytes)
+    return array.nbytes / max(1, len(array)) + 8
+
+
+class Batch:
+    """One validated `write` call: specs in key order, their arrays and the sample count."""
+
+    def __init__(self, structure: dict[str, str], specs: list[FeatureSpec], arrays: list[Any]):
+        self.structure = structure
+        self.specs = specs
+        self.arrays = arrays
+        self.n = int(arrays[0].shape[0])
+
+
+def validate_batch(x: Any, y: Any, sample_weight: Any, variable: frozenset = frozenset()) -> Batch:
+    """One `write` call's input as a `Batch`, or ValueError / TypeError that says why.
+
+    `variable` holds the feature keys declared variable-length.
+    """
+    if x is None:
+        raise ValueError("Expected `x` to hold at least one array. Received: x=None")
+    if sample_weight is not None and y is None:
+        raise ValueError(
+            "Expected `y` with `sample_weight`: Keras weighs each sample's loss against "
+            "its target, so a data set with sample weights needs targets. "
+            f"Received: y=None and sample_weight of type {type(sample_weight).__name__}"
+        )
+    structure: dict[str, str] = {}
+    specs: list[FeatureSpec] = []
+    arrays: list[Any] = []
+    for role, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        flat = _flatten(role, value, variable)
+        if flat is None:
+            continue
+        kind, items = flat
+        structure[role] = kind
+        for name, arr in items:
+            argument = role if kind == "array" else f"{role}[{name!r}]"
+            specs.append(FeatureSpec.from_array(role, name, arr, argument=argument))
+            arrays.append(arr)
+    _check_lengths(specs, arrays)
+    order = sorted(range(len(specs)), key=lambda i: specs[i].key)
+    return Batch(structure, [specs[i] for i in order], [arrays[i] for i in order])
+
+
+def _check_lengths(specs: list[FeatureSpec], arrays: list[Any]) -> None:
+    lengths = {s.key: int(a.shape[0]) for s, a in zip(specs, arrays)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            "Expected `x`, `y` and `sample_weight` to hold the same number of samples. "
+            f"Received: {', '.join(f'{k}: {v}' for k, v in lengths.items())}"
+        )
+    if next(iter(lengths.values())) == 0:
+        raise ValueError("Expected at least one sample. Received: empty arrays (0 samples).")
+    for s in specs:
+        if s.sample_bytes == 0:
+            raise ValueError(
+                f"Expected samples of `{s.key}` to hold at least one value. "
+                f"Received: per-sample shape {s.shape}"
+            )
+
+
+def check_same_schema(expected: tuple[dict[str, str], list[FeatureSpec]], batch: Batch) -> None:
+    """Refuses a batch whose structure or features differ from the first batch's."""
+    structure, specs = expected
+    if batch.structure != structure:
+        raise ValueError(
+            "Expected every batch to have the structure of the first one. "
+            f"Expected: {structure}. Received: {batch.structure}"
+        )
+    old = {s.key: s for s in specs}
+    new = {s.key: s for s in batch.specs}
+    if set(old) != set(new):
+        raise ValueError(
+            "Expected every batch to hold the features of the first one. "
+            f"Expected: {sorted(old)}. Received: {sorted(new)}"
+        )
+    for k, s in new.items():
+        o = old[k]
+        if (s.dtype, s.shape, s.kind) != (o.dtype, o.shape, o.kind):
+            raise ValueError(
+                f"Expected `{k}` to keep dtype {o.dtype} and per-sample shape {o.shape} "
+                f"({o.kind}) across batches. Received: dtype {s.dtype}, shape {s.shape} "
+                f"({s.kind})"
+            )
+
+
+def is_batch_iterable(x: Any) -> bool:
+    if x is None or is_array_like(x) or isinstance(x, (Mapping, list, tuple, str, bytes)):
+        return False
+    return isinstance(x, Iterable)
+
+
+def split_batch(item: Any) -> tuple:
+    if isinstance(item, tuple):
+        if not 1 <= len(item) <= 3:
+            raise ValueError(
+                "Expected each batch to be `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`. "
+                f"Received: a tuple of {len(item)} elements"
+            )
+        return item
+    return (item,)
+
+
+def batch_len(parts: tuple) -> int:
+    first = parts[0]
+    while isinstance(first, (Mapping, list, tuple)):
+        first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
+    return int(np.shape(first)[0])
+
+
+def slice_parts(part: Any, start: int, stop: int) -> Any:
+    if part is None:
+        return None
+    if isinstance(part, Mapping):
+        return {k: slice_parts(v, start, stop) for k, v in part.items()}
+    if isinstance(part, (list, tuple)):
+        return type(part)(slice_parts(v, start, stop) for v in part)
+    return part[start:stop]
+
+
+@functools.lru_cache(maxsize=1)
+def libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(arr: Any, start: int, stop: int) -> None:
+    """Drops the converted rows of a read-only or shared memmap from this process' memory.
+
+    Pages of a file mapping that were read stay mapped, and count in RSS, until unmapped:
+    converting a memmap larger than RAM would look like it loads the whole file.
+    ``MADV_DONTNEED`` on a read-only or shared mapping only drops the mapping's pages (the
+    data stays in the file and the page cache); copy-on-write (mode ``"c"``) maps are left alone.
+    """
+    if not isinstance(arr, np.memmap) or getattr(arr, "mode", "c") not in ("r", "r+", "readonly"):
+        return
+    if not arr.flags.c_contiguous or arr.ndim == 0:
+        return
+    import mmap
+
+    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True)
+
+
+def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool) -> None:
+    """`madvise` on rows ``[start, stop)`` of a C-contiguous array: on the whole pages
+    inside them (``inward``) or on every page they touch. Errors are ignored (an advice)."""
+    try:
+        import ctypes
+        import mmap
+
+        row = arr.strides[0]
+        base = arr.__array_interface__["data"][0]
+        page = mmap.PAGESIZE
+        lo = base + start * row
+        hi = base + stop * row
+        if inward:
+            lo, hi = (lo + page - 1) // page * page, hi // page * page
+        else:
+            lo, hi = lo // page * page, (hi + page - 1) // page * page
+        if hi <= lo:
+            return
+        libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), advice)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+: maps a range of pages in one call
+
+
+def populate_pages(arr: Any, start: int, stop: int) -> None:
+    """Maps rows of a memmap with one `madvise` instead of a page fault per 4 KB page."""
+    if not isinstance(arr, np.memmap) or not arr.flags.c_contiguous or arr.ndim == 0:
+        return
+    _madvise(arr, start, stop, _MADV_POPULATE_READ, inward=False)

@@ -1,0 +1,331 @@
+"""Where records go: shard files, their framing, rotation and durability.
+
+`ShardFiles` opens ``shard-NNNNN.tfrecord.tmp``, writes records to it on a background
+thread (`_RecordSink`), and when the shard is full closes it, starts its write-back,
+records it in the journal and renames it; `ShardFiles.sync` makes every shard durable
+before the manifest names it. Uncompressed shards are framed here (`_FramedFile`, with
+the frame layout of `keras_tfr.format.framing`); compressed ones by TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from typing import Any
+
+from keras_tfr import _crc, _io
+from keras_tfr.format import framing
+from keras_tfr.manifest import ShardInfo
+from keras_tfr.write.inputs import libc, release_pages
+from keras_tfr.write.journal import SHARD_FILE, write_journal
+from keras_tfr.write.plan import Layout
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(path: str) -> bool:
+    """Starts writing a finished shard to disk without waiting (Linux `sync_file_range`),
+    so that the fsync before the manifest finds less left to write. An advice: errors and
+    other systems are ignored. Returns True when the write-back was started."""
+    if _io.is_remote(path) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            call = libc().sync_file_range
+            call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            return call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) == 0
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return False
+
+
+class _RecordSink:
+    """Writes records on a background thread.
+
+    The write releases the GIL, so while this thread writes one record the caller's
+    thread slices, serializes and checksums the next (hardware CRC-32C): on two cores
+    conversion runs close to the disk's rate.
+    The queue is bounded (about 64 MB of records), so memory stays bounded too; an error
+    in the thread is raised in the caller at the next `put` or `finish_shard`.
+    """
+
+    def __init__(self, max_records: int):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue(maxsize=max_records)
+        self._error: BaseException | None = None
+        self._writer: Any = None
+        self._thread = threading.Thread(target=self._run, name="keras-tfr-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import queue
+
+        while True:
+            # What else is queued goes out with it: one `writev` for several records.
+            items = [self._queue.get()]
+            while len(items) < 64 and _is_record(items[-1]):
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                records = [it for it in items if _is_record(it)]
+                if records and self._error is None:
+                    self._writer.write_many(records)
+                for it in items:
+                    if it is not None and not _is_record(it):
+                        for arr in it[1]:
+                            release_pages(arr, it[2], it[3])
+            except BaseException as e:  # surfaced in the caller's thread
+                self._error = e
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+            if items[-1] is None:
+                return
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def start_shard(self, writer: Any) -> None:
+        self._queue.join()
+        self._raise_pending()
+        self._writer = writer
+
+    def put(self, item: tuple) -> None:
+        """Queues ``(record, its CRC-32C)`` for writing (the record as bytes or as a list
+        of parts), or ``("release", arrays, start, stop)`` to drop memmap pages once the
+        records before it are written."""
+        self._raise_pending()
+        self._queue.put(item)
+
+    def finish_shard(self) -> None:
+        """Waits until every queued record is written."""
+        self._queue.join()
+        self._raise_pending()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._error = None
+
+
+def _is_record(item: Any) -> bool:
+    return item is not None and not (isinstance(item[0], str) and item[0] == "release")
+
+
+class _FramedFile:
+    """Writes uncompressed TFRecord framing itself: TensorFlow's writer computes CRC32C in
+    software (about 3 GB/s here); `google_crc32c` uses the CPU's CRC instructions (>10 GB/s).
+
+    The frame (`keras_tfr.format.framing`) is byte for byte what `tf.io.TFRecordWriter`
+    writes.
+    """
+
+    def __init__(self, path: str):
+        self._remote = _io.is_remote(path)
+        if self._remote:
+            import tensorflow as tf
+
+            self._f = tf.io.gfile.GFile(path, "wb")
+        else:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, record: Any, crc: int | None = None) -> None:
+        """Writes one record: ``bytes``, or a list of buffers (written without joining)."""
+        self.write_many([(record, crc)])
+
+    def write_many(self, records: list[tuple[Any, int | None]]) -> None:
+        """Writes ``(record, its CRC-32C or None)`` pairs with as few `writev` calls as
+        IOV_MAX allows."""
+        parts: list[Any] = []
+        total = 0
+        for record, crc in records:
+            body = record if isinstance(record, list) else [record]
+            if crc is None:
+                crc = _crc.crc32c(body)
+            length = sum(memoryview(p).nbytes for p in body)
+            parts += [framing.header(length), *body, framing.masked_bytes(crc)]
+            total += framing.frame_size(length)
+            if len(parts) > 512:  # IOV_MAX is 1024 on Linux
+                self._write_parts(parts, total)
+                parts, total = [], 0
+        if parts:
+            self._write_parts(parts, total)
+
+    def _write_parts(self, parts: list[Any], total: int) -> None:
+        if self._remote:
+            for part in parts:
+                self._f.write(bytes(part))
+            return
+        assert self._fd is not None  # a local file is open until close()
+        written = os.writev(self._fd, parts)
+        if written != total:  # rare short write: finish it byte-exactly
+            rest = b"".join(bytes(p) for p in parts)[written:]
+            while rest:
+                rest = rest[os.write(self._fd, rest) :]
+
+    def close(self) -> None:
+        if self._remote:
+            self._f.close()
+        elif self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def open_record_file(path: str, compression: str | None) -> Any:
+    if compression is None:
+        return _FramedFile(path)
+    import tensorflow as tf
+
+    writer = tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
+    return _CompressedFile(writer)
+
+
+class _CompressedFile:
+    """GZIP/ZLIB shards: TensorFlow's writer frames and compresses."""
+
+    def __init__(self, writer: Any):
+        self._writer = writer
+
+    def write(self, record: Any, crc: int | None = None) -> None:
+        if isinstance(record, list):
+            record = b"".join(bytes(p) for p in record)
+        self._writer.write(record)
+
+    def write_many(self, records: list[tuple[Any, int | None]]) -> None:
+        for record, crc in records:
+            self.write(record, crc)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ShardFiles:
+    """The shard files of one conversion, filled one after the other.
+
+    A shard is written as ``<name>.tmp``; once it holds `Layout.records_per_shard`
+    records (or at `close_shard`) it is closed, listed in the journal, then renamed. Its
+    checksum is the CRC-32C of its records' CRC-32Cs, as the manifest records it.
+    """
+
+    def __init__(self, directory: str, layout: Layout, shards: list[ShardInfo]):
+        self.directory = directory
+        self.layout = layout
+        self.shards = list(shards)  # complete and renamed, resumed ones included
+        self._file: Any = None
+        self._tmp = ""
+        self._samples = self._records = self._crc = 0
+        self._sink: _RecordSink | None = None
+
+    def add(self, record: Any, record_crc: int, count: int) -> None:
+        """Queues one record of `count` samples (bytes, or a list of buffers) and its
+        CRC-32C; closes the shard when it is full."""
+        if self._file is None:
+            self._open_shard()
+        self._crc = _crc.crc32c([struct.pack("<I", record_crc)], self._crc)
+        assert self._sink is not None  # started by _open_shard
+        self._sink.put((record, record_crc))
+        self._records += 1
+        self._samples += count
+        if self._records >= self.layout.records_per_shard:
+            self.close_shard()
+
+    def release(self, arrays: list[Any], start: int, stop: int) -> None:
+        """Drops rows ``[start, stop)`` of memmaps from memory once the records queued
+        before are written (the sink may still be reading them)."""
+        assert self._sink is not None  # records were added before
+        self._sink.put(("release", arrays, start, stop))
+
+    def wait(self) -> None:
+        """Returns once every queued record is written (they may point into the caller's
+        arrays), raising the writing thread's error if it had one."""
+        if self._sink is not None:
+            self._sink.finish_shard()
+
+    def _open_shard(self) -> None:
+        name = SHARD_FILE.format(len(self.shards))
+        self._tmp = _io.join(self.directory, name + ".tmp")
+        self._file = open_record_file(self._tmp, self.layout.compression)
+        self._samples = self._records = self._crc = 0
+        if self._sink is None:
+            self._sink = _RecordSink(max(2, (64 << 20) // max(1, self.layout.record_bytes)))
+        self._sink.start_shard(self._file)
+
+    def close_shard(self) -> None:
+        """Closes the open shard, if any: journal entry first, then the rename."""
+        if self._file is None:
+            return
+        self.wait()
+        self._file.close()
+        self._file = None
+        start_writeback(self._tmp)
+        name = SHARD_FILE.format(len(self.shards))
+        self.shards.append(
+            ShardInfo(
+                file=name,
+                samples=self._samples,
+                records=self._records,
+                bytes=_io.size(self._tmp),
+                checksum=f"crc32c:{self._crc:08x}",
+            )
+        )
+        # Journal first, then rename: a kill in between leaves a journal entry whose file
+        # is missing (resume checks and rewrites it), never a shard no journal lists.
+        write_journal(self.directory, self.layout, self.shards)
+        _io.rename(self._tmp, _io.join(self.directory, name))
+
+    def sync(self) -> None:
+        """Makes every shard durable before the manifest names it.
+
+        Local files: each shard is fsynced, then the directory (its renames); the manifest
+        is then written with an fsync of its own (`Manifest.save`). All at the end rather
+        than as each shard closes: an fsync waits for all the data written before it (ext4
+        commits in order), so syncing shard by shard would stall the conversion. Write-back
+        of each shard starts, without waiting, as it closes (`start_writeback`), so the
+        fsyncs here wait only for the rest (``benchmarks/write_fsync.py``). URLs
+        (``gs://``, ``s3://``, ``hdfs://``): `tf.io.gfile` has no fsync; a shard is as
+        durable as its file system makes a closed file (an object store's upload
+        completes when the file is closed).
+        """
+        if _io.is_remote(self.directory):
+            return
+        flags = os.O_RDWR if os.name == "nt" else os.O_RDONLY  # Windows syncs writable fds
+        for shard in self.shards:
+            path = _io.join(self.directory, shard.file)
+            fd = os.open(path, flags)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"Could not sync the shard {path} to disk: {e.strerror}"
+                ) from e
+            finally:
+                os.close(fd)
+        _io._fsync_dir(self.directory)
+
+    def stop(self) -> None:
+        """Ends the writing thread (after `close_shard`)."""
+        if self._sink is not None:
+            self._sink.stop()
+            self._sink = None
+
+    def abort(self) -> None:
+        """Ends the writing thread and removes the unfinished shard; complete ones stay."""
+        self.stop()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except Exception:
+                pass
+            self._file = None
+            _io.remove(self._tmp)
