@@ -109,15 +109,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             newest is found damaged.
         delete_checkpoint: delete ``backup_dir`` when ``fit`` finishes.
 
-    Example:
-
-    >>> from keras_tfr import BackupAndRestore, TFRecordSequenceSource
-    >>> train = TFRecordSequenceSource("data/train", batch_size=256, seed=0)
-    >>> model.fit(train, epochs=10,
-    ...           callbacks=[BackupAndRestore("backup/", save_freq=500)])
-
     Callbacks that keep state of their own (``EarlyStopping``, ``ReduceLROnPlateau``'s
     wait counters) are not backed up, as with Keras' callback.
+
+    Example:
+        >>> from keras_tfr import BackupAndRestore, TFRecordSequenceSource
+        >>> train = TFRecordSequenceSource("data/train", batch_size=256, seed=0)
+        >>> model.fit(train, epochs=10,
+        ...           callbacks=[BackupAndRestore("backup/", save_freq=500)])
     """
 
     def __init__(
