@@ -497,20 +497,28 @@ class TFRecordSequenceSource(tf.data.Dataset):
             skip=skip if opts.on_corrupt == "skip" else None,
         )
         self._mapped_plan = plan
-        raw = mapped.dataset(plan, self._clock.take)
-        # One map decodes and (without `decode=` steps in between) builds Keras' structure.
+        blocks = mapped.dataset(plan, self._clock.take)
+        # Decoding (a reshape and a zero-copy bitcast) and Keras' structure are applied
+        # once per block of batches, so each batch then costs only its slice.
         structure = self._structure_fn() if not self._decode else (lambda d: d)
         rows = opts.batch_size if opts.drop_remainder else None
 
         def decode(*u8: Any) -> Any:
-            return structure(
-                {
-                    s.key: tf_bytes_to_feature(tf.ensure_shape(t, [rows, s.sample_bytes]), s)
-                    for s, t in zip(specs, u8)
-                }
-            )
+            out = {}
+            for s, t in zip(specs, u8):
+                n_batches = tf.shape(t)[0]
+                flat = tf.reshape(t, [-1, s.sample_bytes])
+                feature = tf_bytes_to_feature(flat, s)
+                out[s.key] = tf.reshape(feature, [n_batches, -1, *s.shape])
+            return structure(out)
 
-        return raw.map(decode)
+        def cut(*block: Any) -> tf.data.Dataset:
+            batches = tf.data.Dataset.from_tensor_slices(block[0] if len(block) == 1 else block)
+            if rows is None:
+                return batches
+            return batches.map(lambda *b: tf.nest.map_structure(_rows(rows), b))
+
+        return blocks.map(decode).flat_map(cut)
 
     def _finish(self, batches: tf.data.Dataset, direct: bool) -> tf.data.Dataset:
         """The stages after batching, shared by both modes."""
@@ -538,6 +546,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 opts.deterministic
             )
             options.experimental_optimization.map_parallelization = True
+            # The epoch enters the graph through one Python call per iterator; a saved
+            # iterator keeps the epoch it started with, so that call's state can be left out.
+            ignore = tf.data.experimental.ExternalStatePolicy.IGNORE
+            options.experimental_external_state_policy = ignore
         if opts.num_workers is not None:
             # This source already holds only its worker's share: no second sharding.
             off = tf.data.experimental.AutoShardPolicy.OFF
@@ -613,6 +625,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values[0] if len(values) == 1 else values
 
         return fn
+
+
+def _rows(rows: int) -> Callable[[Any], Any]:
+    """Sets the static batch dimension (``drop_remainder``: every batch is full)."""
+    return lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]])
 
 
 class _EpochClock:

@@ -635,9 +635,9 @@ _ids = itertools.count(1)
 
 
 def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
-    """A `tf.data.Dataset` of batches: a tuple of uint8 ``[rows, sample_bytes]`` tensors,
-    one per spec (in ``plan.specs`` order). ``next_epoch()`` gives each new iterator its
-    ``(epoch, first batch)``."""
+    """A `tf.data.Dataset` of blocks of batches: a tuple of uint8
+    ``[batches, rows, sample_bytes]`` tensors, one per spec (in ``plan.specs`` order).
+    ``next_epoch()`` gives each new iterator its ``(epoch, first batch)``."""
     import tensorflow as tf
     from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 
@@ -668,14 +668,13 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
         outs = tf.numpy_function(next_block, [eid], [tf.uint8] * n_specs, stateful=True)
         return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
 
-    # One Python call per unit (about 8 MB); `from_tensor_slices` then hands out its
-    # batches as slices of the adopted buffer (TensorFlow aliases aligned slices instead
-    # of copying them).
-    blocks = _GeneratorDataset(
+    # One Python call per unit (about 8 MB): blocks of batches, which the caller decodes
+    # and cuts with `from_tensor_slices` (TensorFlow aliases aligned slices of the adopted
+    # buffer instead of copying them).
+    return _GeneratorDataset(
         np.int64(0),
         lambda d: tf.numpy_function(init, [d], tf.int64, stateful=True),
         cut,
         lambda e: tf.numpy_function(finalize, [e], tf.int64, stateful=True),
         spec,
     )
-    return blocks.flat_map(lambda *t: tf.data.Dataset.from_tensor_slices(t))
