@@ -445,14 +445,14 @@ class MappedPlan:
                 offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
             out = buffers.take(len(ids))
             step = _CHUNK_BYTES // sb
-            if step:
+            if step > 4:
                 # Fancy indexing gathers into a temporary: pieces under malloc's mmap
                 # threshold (128 KB) come from the heap (a fresh mmap per piece would
                 # page-fault on every page) and stay in cache for the copy into `out`.
                 flat = out.view(window.dtype).reshape(-1)
                 for a in range(0, len(ids), step):
                     flat[a : a + step] = window[offsets[a : a + step]]
-            else:  # large samples: one slice copy each, no temporary at all
+            else:  # samples of 16 KB and more: one slice copy each, no temporary at all
                 arr = self._region_array
                 for a, at in enumerate(offsets.tolist()):
                     out[a] = arr[at : at + sb]
