@@ -75,16 +75,17 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for op in ("write keras-tfr", "read keras-tfr"):
         one = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 1]
         four = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 4]
-        if one and four and "peak_rss_mb" in one[0] and "peak_rss_mb" in four[0]:
-            ratio = four[0]["peak_rss_mb"] / one[0]["peak_rss_mb"]
-            out.append(
-                {
-                    "target": f"peak RSS, {op.split()[0]}: 4x data within 10% of 1x",
-                    "ratio": ratio,
-                    "minimum": None,
-                    "met": ratio <= 1.10,
-                }
-            )
+        for key, what in (("peak_rss_mb", "peak RSS"), ("peak_private_mb", "peak private memory")):
+            if one and four and key in one[0] and key in four[0]:
+                ratio = four[0][key] / one[0][key]
+                out.append(
+                    {
+                        "target": f"{what}, {op.split()[0]}: 4x data within 10% of 1x",
+                        "ratio": ratio,
+                        "minimum": None,
+                        "met": ratio <= 1.10,
+                    }
+                )
     return out
 
 
@@ -127,7 +128,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     f"{r['mb_per_s']:,.0f}" if eps else "-",
                     f"{r.get('peak_rss_mb', 0):,.0f}",
                     "-",
-                    "",
+                    f"private {r.get('peak_private_mb', 0):,.0f} MB",
                 ]
             )
     return out

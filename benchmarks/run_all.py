@@ -487,9 +487,47 @@ def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[s
     }
 
 
+class _PrivatePeak:
+    """Peak private (anonymous) memory, sampled every 20 ms from /proc/self/status.
+
+    ``ru_maxrss`` also counts the pages of memory-mapped files a process touched: page
+    cache, shared and reclaimable, which grows with the data a memory map reads (sample
+    mode, and the memmap peers). Private memory is what the process itself allocates.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now_kb() -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_kb = max(self.peak_kb, self.now_kb())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak_kb, self.now_kb()) / 1024.0
+
+
 def worker_main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     kind = spec["kind"]
+    private = _PrivatePeak()
     p = _paths(spec["data"], spec["shape_name"], spec.get("scale", 1))
     shape = tuple(spec.get("shape", ()))
     if kind == "gen":
@@ -505,6 +543,7 @@ def worker_main(argv: list[str]) -> None:
     else:
         raise ValueError(kind)
     result["peak_rss_mb"] = _maxrss_mb()
+    result["peak_private_mb"] = private.stop()
     print("@@RESULT " + json.dumps(result), flush=True)
 
 
