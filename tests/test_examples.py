@@ -60,6 +60,7 @@ def test_demo(tmp_path):
     samples = re.search(r"data set \(NumPy arrays\) +: [\d.]+ GB, ([\d,]+) samples", out)
     assert samples and int(samples[1].replace(",", "")) == int(0.002e9 // (256 * 4 + 8))
     assert re.search(r"final validation +: accuracy [\d.]+, loss [\d.]+", out), out
+    assert re.search(r"training \(samples mode\) .*peak private memory [\d.]+ GB", out), out
     assert not workdir.exists()  # removed without --keep
 
 
