@@ -11,7 +11,7 @@ Three engines of TensorFlow's own, no new machinery:
   `tf.distribute.Strategy.distribute_datasets_from_function`, with the global batch the
   user asked for split evenly across replicas. Given a MultiWorkerMirroredStrategy, it
   also installs the workaround Keras 3's TensorFlow trainer needs there
-  (`keras_tfr._compat_dist`).
+  (`keras_tfr._compat.keras_dist`).
 * **Many processes, one model, Keras' own way** (``keras.distribution`` on the JAX
   backend): `keras_distribution_source` builds the same kind of share for each process,
   with the per-process batch and the same batch size on every process at every step.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from keras_tfr import _compat_dist
+from keras_tfr._compat import keras_dist
 
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
     from types import FrameType
@@ -159,7 +159,7 @@ def distribute_source(
 
     Under `tf.distribute.MultiWorkerMirroredStrategy` with a Keras that needs it, this
     also wraps two functions of Keras' TensorFlow trainer for the process
-    (`keras_tfr._compat_dist`), so that ``fit`` and ``evaluate`` work with the model
+    (`keras_tfr._compat.keras_dist`), so that ``fit`` and ``evaluate`` work with the model
     built in ``strategy.scope()`` and no other change.
 
     Returns:
@@ -178,10 +178,10 @@ def distribute_source(
     from keras_tfr.source import TFRecordSequenceSource
 
     _check_helper_args("distribute_source", batch_size, source_kwargs)
-    if _compat_dist.multi_worker_fix_applies(strategy):
+    if keras_dist.multi_worker_fix_applies(strategy):
         # Keras' TensorFlow trainer cannot `fit` under MultiWorkerMirroredStrategy without
-        # it (keras_tfr/_compat_dist.py names the bugs); off once Keras is fixed.
-        _compat_dist.install_multi_worker_fix()
+        # it (keras_tfr/_compat/keras_dist.py names the bugs); off once Keras is fixed.
+        keras_dist.install_multi_worker_fix()
     replicas = strategy.num_replicas_in_sync
     if batch_size < replicas or batch_size % replicas:
         raise ValueError(

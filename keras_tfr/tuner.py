@@ -58,9 +58,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import importlib.abc
-import importlib.machinery
-import inspect
 import json
 import logging
 import math
@@ -74,7 +71,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -90,7 +86,6 @@ log = logging.getLogger("keras_tfr")
 
 GPU_MEMORY_ENV = "KERAS_TFR_GPU_MEMORY_MB"
 _REPORT_ENV = "KERAS_TFR_TUNE_REPORT_DIR"
-_CHIEF_POLL_S = 0.5
 _KILL_GRACE_S = 5.0
 
 
@@ -806,39 +801,6 @@ def _remove_tree(path: str) -> None:
 # --------------------------------------------------------------------------- child side
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Runs a function on a module right after it is imported (by the user's script).
-
-    keras-tuner is not imported up front: the script may choose the Keras backend
-    (``KERAS_BACKEND``) before it imports Keras.
-    """
-
-    def __init__(self, patches: dict[str, Callable[[Any], None]]):
-        self._patches = patches
-
-    def find_spec(
-        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = self._patches.get(name)
-        if patch is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader: Any = spec.loader  # its exec_module is replaced on this one instance
-        original_exec = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            try:
-                patch(module)
-            except Exception as e:  # keep the search running on another keras-tuner
-                log.warning("keras-tfr tune: could not hook keras-tuner (%s): %s", name, e)
-
-        loader.exec_module = exec_module
-        return spec
-
-
 def _write_report(tuner: Any) -> None:
     report_dir = os.environ.get(_REPORT_ENV)
     if not report_dir:
@@ -860,42 +822,6 @@ def _write_report(tuner: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _patch_base_tuner(module: Any) -> None:
-    cls = module.BaseTuner
-    original_init = cls.__init__
-    signature = inspect.signature(original_init)
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if is_worker():
-            # Only the chief may start the project afresh: a worker built later would
-            # delete the trials the others are running.
-            bound = signature.bind_partial(self, *args, **kwargs)
-            if bound.arguments.get("overwrite"):
-                bound.arguments["overwrite"] = False
-                args, kwargs = bound.args[1:], bound.kwargs
-        original_init(self, *args, **kwargs)
-        _write_report(self)
-
-    __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
-    cls.__init__ = __init__
-
-
-class _ShortSleep:
-    """`time` for keras-tuner's chief loop, whose 20 s waits delay the end of a search."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        time.sleep(min(seconds, _CHIEF_POLL_S))
-
-
-def _patch_oracle_chief(module: Any) -> None:
-    if getattr(module, "time", None) is time:
-        module.time = _ShortSleep()
-
-
 def _child_main() -> None:
     """Entry point of each process started by `tune`: runs the user's script."""
     import runpy
@@ -904,15 +830,9 @@ def _child_main() -> None:
         raise SystemExit("usage: _child_main SCRIPT [ARGS...]")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
-    sys.meta_path.insert(
-        0,
-        _PatchAfterImport(
-            {
-                "keras_tuner.src.engine.base_tuner": _patch_base_tuner,
-                "keras_tuner.src.distribute.oracle_chief": _patch_oracle_chief,
-            }
-        ),
-    )
+    from keras_tfr._compat import tuner as compat_tuner  # keras-tuner has no public hooks
+
+    compat_tuner.install_child_patches(is_worker, _write_report)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 
