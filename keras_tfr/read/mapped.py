@@ -640,6 +640,7 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     one per spec (in ``plan.specs`` order). ``next_epoch()`` gives each new iterator its
     ``(epoch, first batch)``."""
     import tensorflow as tf
+
     _GeneratorDataset = compat_tf.generator_dataset()
 
     def init(_unused):
