@@ -63,15 +63,14 @@ import logging
 import math
 import operator
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from keras_tfr._supervise import Child, LogFile
 
 __all__ = [
     "TFRecordHyperModel",  # noqa: F822 (built on first use by the module's __getattr__)
@@ -450,85 +449,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Child:
-    """One process of the search, its output copied to a log file (and our stdout)."""
-
-    def __init__(
-        self,
-        tuner_id: str,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: str,
-        log_path: str,
-        echo: bool,
-    ):
-        self.tuner_id = tuner_id
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by the reader thread)
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stopped as a whole
-        )
-        self._thread = threading.Thread(target=self._pump, args=(echo,), daemon=True)
-        self._thread.start()
-
-    def _pump(self, echo: bool) -> None:
-        prefix = f"[{self.tuner_id}] ".encode()
-        assert self.proc.stdout is not None
-        try:
-            for line in iter(self.proc.stdout.readline, b""):
-                self._log.write(line)
-                self._log.flush()
-                if echo:
-                    out = getattr(sys.stdout, "buffer", None)
-                    if out is not None:
-                        out.write(prefix + line)
-                        out.flush()
-                    else:
-                        sys.stdout.write((prefix + line).decode(errors="replace"))
-        finally:
-            self._log.close()
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after a grace period."""
-        if self.proc.poll() is not None:
-            return
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(_KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self._signal(getattr(signal, "SIGKILL", signal.SIGTERM))
-            self.proc.wait()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            if hasattr(os, "killpg"):
-                os.killpg(self.proc.pid, sig)
-            else:  # pragma: no cover (Windows)
-                self.proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-    def finish(self) -> None:
-        self._thread.join(timeout=10)
-
-    def tail(self, lines: int = 5) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                text = f.read()[-4000:].decode(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
 def tune(
     script: str | os.PathLike,
     script_args: Sequence[str] = (),
@@ -624,7 +544,8 @@ def tune(
         *map(str, script_args),
     ]
     ids = ["chief"] + [f"tuner{i}" for i in range(workers)]
-    children: dict[str, _Child] = {}
+    children: dict[str, Child] = {}
+    logs: dict[str, LogFile] = {}
     errors: list[str] = []
     stopped_after_search: list[str] = []
     start = time.monotonic()
@@ -639,9 +560,10 @@ def tune(
                     child_env[GPU_MEMORY_ENV] = str(gpu_memory_mb)
                 if gpus is not None:
                     child_env["CUDA_VISIBLE_DEVICES"] = gpus[(i - 1) % len(gpus)]
-            children[tuner_id] = _Child(
-                tuner_id, argv, child_env, cwd, os.path.join(log_dir, f"{tuner_id}.log"), verbose
+            logs[tuner_id] = LogFile(
+                os.path.join(log_dir, f"{tuner_id}.log"), f"[{tuner_id}] ", verbose
             )
+            children[tuner_id] = Child(tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd)
         log.info(
             "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%d, logs in %s",
             workers,
@@ -652,9 +574,9 @@ def tune(
         errors += supervise_errors
     finally:
         for child in children.values():
-            child.stop()
+            child.stop(_KILL_GRACE_S)
         for child in children.values():
-            child.finish()
+            child.join_output(10)
 
     returncodes = {k: c.poll() for k, c in children.items()}
     for tuner_id, rc in returncodes.items():
@@ -663,17 +585,17 @@ def tune(
         if rc not in (0, None) and not any(e.startswith(f"{tuner_id} ") for e in errors):
             errors.append(f"{tuner_id} exited with status {rc}")
     result = _collect(report_dir, returncodes, errors, log_dir)
-    for tuner_id, child in children.items():
+    for tuner_id in children:
         if returncodes[tuner_id] not in (0, None) and not verbose:
-            tail = child.tail()
+            tail = logs[tuner_id].tail()
             if tail:
-                log.warning("keras-tfr tune: last lines of %s:\n%s", child.log_path, tail)
+                log.warning("keras-tfr tune: last lines of %s:\n%s", logs[tuner_id].path, tail)
     _remove_tree(report_dir)
     return result
 
 
 def _supervise(
-    children: dict[str, _Child], start: float, timeout: float | None, worker_grace: float
+    children: dict[str, Child], start: float, timeout: float | None, worker_grace: float
 ) -> tuple[list[str], list[str]]:
     """Waits for the search to end; stops what would hang.
 
@@ -721,7 +643,7 @@ def _supervise(
                     worker_grace,
                 )
                 for k in running:
-                    workers[k].stop()
+                    workers[k].stop(_KILL_GRACE_S)
                 return [], running
         time.sleep(0.2)
 
