@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_tfr import distribute as _distribute
 from keras_tfr._compat.tf import OwnedIterator
 from keras_tfr._seeds import only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
 from keras_tfr.read import order as _order
+from keras_tfr.read import split as _distribute
 from keras_tfr.read.options import DEFAULT_SHUFFLE_MEMORY, SourceOptions
 from keras_tfr.schema import FeatureSpec, check_host_byte_order, tf_bytes_to_feature
 
@@ -147,7 +147,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         check_host_byte_order()
         from keras_tfr._compat import keras_errors, keras_shuffle
 
-        keras_errors.install_corrupt_record_errors()
+        keras_errors.install_corrupt_record_errors(corrupt_record_error)
         keras_shuffle.install_shuffle_warning_filter()  # Keras' shuffle warning: wrong for a source
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from keras_tfr import TFRecordSequenceSource
-from keras_tfr.distribute import start_service, worker_share
+from keras_tfr.distribute import start_service
+from keras_tfr.read.split import worker_share
 
 N = 100  # 25 records of 4: does not split evenly over 2 or 3 workers
 
