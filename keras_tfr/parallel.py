@@ -258,7 +258,7 @@ class _Launcher:
     def _summarize(self, stopped_by: int | None) -> int:
         failed = 0
         for i, child in enumerate(self.children):
-            code = child.returncode
+            code = child.wait()  # it has ended: its exit status
             if code == 0:
                 continue
             failed += 1
