@@ -202,22 +202,9 @@ def tune(
         >>> result.ok, result.trials_completed, result.best_hyperparameters
         (True, 20, {'units': 64, 'batch_size': 256})
     """
-    script = os.fspath(script)
-    if not os.path.isfile(script):
-        raise FileNotFoundError(f"Expected `script` to be a Python file. Received: {script!r}")
-    workers = _check_batch_size(workers, "workers")
-    if gpu_memory_mb is not None:
-        gpu_memory_mb = _check_batch_size(gpu_memory_mb, "gpu_memory_mb")
-    if gpus is not None:
-        gpus = [str(g).strip() for g in gpus]
-        if not gpus or not all(gpus):
-            raise ValueError(f"Expected `gpus` to list GPU ids like ['0', '1']. Received: {gpus!r}")
-    if port is None:
-        port = _free_port()
-    elif not (isinstance(port, int) and 0 < port < 65536):
-        raise ValueError(f"Expected `port` to be a TCP port (1-65535). Received: {port!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"Expected `timeout` to be positive seconds. Received: {timeout!r}")
+    script, workers, gpu_memory_mb, gpus, port = _check_tune_args(
+        script, workers, gpu_memory_mb, gpus, port, timeout
+    )
     cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
     log_dir = os.fspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="keras-tfr-tune-")
     os.makedirs(log_dir, exist_ok=True)
@@ -246,15 +233,7 @@ def tune(
     start = time.monotonic()
     try:
         for i, tuner_id in enumerate(ids):
-            child_env = {**base_env, "KERASTUNER_TUNER_ID": tuner_id}
-            if tuner_id == "chief":
-                child_env["CUDA_VISIBLE_DEVICES"] = ""
-                child_env.pop(GPU_MEMORY_ENV, None)
-            else:
-                if gpu_memory_mb is not None:
-                    child_env[GPU_MEMORY_ENV] = str(gpu_memory_mb)
-                if gpus is not None:
-                    child_env["CUDA_VISIBLE_DEVICES"] = gpus[(i - 1) % len(gpus)]
+            child_env = _child_env(base_env, tuner_id, i, gpu_memory_mb, gpus)
             logs[tuner_id] = LogFile(
                 os.path.join(log_dir, f"{tuner_id}.log"), f"[{tuner_id}] ", verbose
             )
@@ -287,6 +266,57 @@ def tune(
                 log.warning("keras-tfr tune: last lines of %s:\n%s", logs[tuner_id].path, tail)
     _remove_tree(report_dir)
     return result
+
+
+def _check_tune_args(
+    script: str | os.PathLike,
+    workers: Any,
+    gpu_memory_mb: Any,
+    gpus: Sequence[str] | None,
+    port: Any,
+    timeout: float | None,
+) -> tuple[str, int, int | None, list[str] | None, int]:
+    """`tune`'s arguments checked: ``(script, workers, gpu_memory_mb, gpus, port)``."""
+    script = os.fspath(script)
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"Expected `script` to be a Python file. Received: {script!r}")
+    workers = _check_batch_size(workers, "workers")
+    if gpu_memory_mb is not None:
+        gpu_memory_mb = _check_batch_size(gpu_memory_mb, "gpu_memory_mb")
+    gpu_list = None
+    if gpus is not None:
+        gpu_list = [str(g).strip() for g in gpus]
+        if not gpu_list or not all(gpu_list):
+            raise ValueError(
+                f"Expected `gpus` to list GPU ids like ['0', '1']. Received: {gpu_list!r}"
+            )
+    if port is None:
+        port = _free_port()
+    elif not (isinstance(port, int) and 0 < port < 65536):
+        raise ValueError(f"Expected `port` to be a TCP port (1-65535). Received: {port!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"Expected `timeout` to be positive seconds. Received: {timeout!r}")
+    return script, workers, gpu_memory_mb, gpu_list, port
+
+
+def _child_env(
+    base_env: dict[str, str],
+    tuner_id: str,
+    index: int,
+    gpu_memory_mb: int | None,
+    gpus: list[str] | None,
+) -> dict[str, str]:
+    """The environment of process ``index`` (0 is the chief, which sees no GPU)."""
+    child_env = {**base_env, "KERASTUNER_TUNER_ID": tuner_id}
+    if tuner_id == "chief":
+        child_env["CUDA_VISIBLE_DEVICES"] = ""
+        child_env.pop(GPU_MEMORY_ENV, None)
+    else:
+        if gpu_memory_mb is not None:
+            child_env[GPU_MEMORY_ENV] = str(gpu_memory_mb)
+        if gpus is not None:
+            child_env["CUDA_VISIBLE_DEVICES"] = gpus[(index - 1) % len(gpus)]
+    return child_env
 
 
 def _supervise(
