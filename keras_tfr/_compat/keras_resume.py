@@ -40,7 +40,6 @@ import dataclasses
 import inspect
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 # Inclusive lower bound, exclusive upper bound (major, minor).
@@ -213,7 +212,7 @@ def start_epoch_at_step(epoch_iterator: Any, step: int) -> None:
         )
     own = type(epoch_iterator)._enumerate_iterator
 
-    def resumed(self: Any = epoch_iterator) -> Iterator[tuple[int, int, Any]]:
+    def resumed(self: Any = epoch_iterator) -> Any:
         # One epoch only: the next `iter(epoch_iterator)` uses the class's method again.
         self.__dict__.pop("_enumerate_iterator", None)
         self._num_batches = total - step
