@@ -27,15 +27,15 @@ def only_op_seeds() -> Iterator[None]:
         ...     ds = tf.data.Dataset.range(10).shuffle(10, seed=0)
     """
     import tensorflow as tf
-    from tensorflow.python.eager import context  # private: the global seed's only home
 
-    ctx = context.context()
-    saved = getattr(ctx, "_seed", None)
+    from keras_tfr._compat import tf as compat_tf  # the global seed has no public home
+
+    saved = compat_tf.get_global_seed()
     if saved is None or not tf.executing_eagerly():
         yield
         return
-    ctx._seed = None
+    compat_tf.set_global_seed(None)
     try:
         yield
     finally:
-        ctx._seed = saved
+        compat_tf.set_global_seed(saved)

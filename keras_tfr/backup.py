@@ -23,7 +23,7 @@ order of epoch ``e`` is a function of the seed and ``e`` only, never of how many
 iterators Keras made.
 
 Keras' ``fit`` cannot start an epoch at a step through public APIs; the private ones used
-are named and version-checked in `keras_tfr._compat_keras`. Without a resumable source in
+are named and version-checked in `keras_tfr._compat.keras_resume`. Without a resumable source in
 ``fit`` (NumPy arrays, a plain `tf.data.Dataset`), or outside the verified Keras range,
 the callback behaves exactly like Keras' own (Keras' code runs).
 
@@ -58,7 +58,8 @@ from typing import Any, cast
 import keras
 import numpy as np
 
-from keras_tfr import _compat_keras, _io
+from keras_tfr import _io
+from keras_tfr._compat import keras_resume
 from keras_tfr._crc import crc32c
 from keras_tfr._version import __version__
 from keras_tfr.errors import KerasTFRError
@@ -139,7 +140,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         )
         self.backup_dir = str(backup_dir)
         self._exact = False  # True while a fit runs with mid-epoch resume
-        self._context: _compat_keras.FitContext | None = None
+        self._context: keras_resume.FitContext | None = None
         self._resume: dict[str, Any] | None = None
 
     # -- the mode of this fit --------------------------------------------------------------
@@ -148,7 +149,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._exact = False
         self._resume = None
         self._context = None
-        context, problem = _compat_keras.fit_context(self.model)
+        context, problem = keras_resume.fit_context(self.model)
         resumable = context is not None and _is_resumable(context.x)
         if context is not None and resumable and problem is None:
             problem = context.iterates_source_directly()
@@ -184,10 +185,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._resume = self._restore()
         if self._resume is not None:
             self._since_backup = self._resume["batches_since_backup"]
-            _compat_keras.set_initial_epoch(self.model, self._resume["epoch"])
+            keras_resume.set_initial_epoch(self.model, self._resume["epoch"])
 
     @property
-    def _fit(self) -> _compat_keras.FitContext:
+    def _fit(self) -> keras_resume.FitContext:
         if self._context is None:  # pragma: no cover - only between on_train_begin and end
             raise RuntimeError("BackupAndRestore is not inside a running `fit`.")
         return self._context
@@ -203,7 +204,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if resume["epoch"] == epoch and resume["step"] > 0:
                 step = resume["step"]
                 self._restore_metrics(resume)
-                _compat_keras.start_epoch_at_step(context.epoch_iterator, step)
+                keras_resume.start_epoch_at_step(context.epoch_iterator, step)
         context.x.set_epoch(epoch, step)
         val = context.validation_data
         if val is not context.x and _is_resumable(val):
@@ -239,7 +240,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._exact = False
         self._context = None
         # Keras leaves it set, which would make a later fit of this model skip epochs.
-        _compat_keras.set_initial_epoch(self.model, None)
+        keras_resume.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and _io.exists(self.backup_dir):
             _rmtree(self.backup_dir)
 
@@ -381,7 +382,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         # backup's, so the epoch's logged loss and metrics average over all its batches.
         model = self.model
         if len(model.metrics_variables) != len(resume["metrics"]):
-            _compat_keras.build_metrics(model, self._fit.x.element_spec)
+            keras_resume.build_metrics(model, self._fit.x.element_spec)
         _check_shapes(resume["path"], "metrics", model.metrics_variables, resume["metrics"])
         for variable, value in zip(model.metrics_variables, resume["metrics"]):
             variable.assign(value)

@@ -11,7 +11,7 @@ Three engines of TensorFlow's own, no new machinery:
   `tf.distribute.Strategy.distribute_datasets_from_function`, with the global batch the
   user asked for split evenly across replicas. Given a MultiWorkerMirroredStrategy, it
   also installs the workaround Keras 3's TensorFlow trainer needs there
-  (`keras_tfr._compat_dist`).
+  (`keras_tfr._compat.keras_dist`).
 * **Many processes, one model, Keras' own way** (``keras.distribution`` on the JAX
   backend): `keras_distribution_source` builds the same kind of share for each process,
   with the per-process batch and the same batch size on every process at every step.
@@ -27,114 +27,35 @@ do not split evenly over the workers, one worker has more batches than the step 
 Keras took from the whole data set, and the rest of its data is silently left unread that
 epoch. An explicit, balanced share per worker with one agreed step count has no such case.
 
-This module imports TensorFlow only inside functions, so ``keras-tfr serve --help`` is quick.
+This module imports TensorFlow only inside functions, so importing it is quick.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import signal
-import sys
-import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_tfr import _compat_dist
+from keras_tfr._compat import keras_dist
+
+# The reader's split among workers lives in `keras_tfr.read.split`; these names stay
+# importable from here (`keras_tfr.read.options` and `keras_tfr.read.graph` use them).
+from keras_tfr.read.split import (  # noqa: F401
+    SERVICE_MODES,
+    check_service_args,
+    check_worker_args,
+    pad_with_empty_batches,
+    via_service,
+    worker_share,
+)
 
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
-    from types import FrameType
-
     import tensorflow as tf
 
     from keras_tfr.source import TFRecordSequenceSource
 
 __all__ = ["ServiceCluster", "distribute_source", "keras_distribution_source", "start_service"]
-
-SERVICE_MODES = ("distributed_epoch", "parallel_epochs")
-
-
-# ----------------------------------------------------------------- per-worker share
-
-
-def check_worker_args(num_workers: Any, worker_index: Any) -> tuple[int, int] | None:
-    """Validates ``num_workers`` / ``worker_index``; None when neither is given."""
-    if num_workers is None and worker_index is None:
-        return None
-    if num_workers is None or worker_index is None:
-        raise ValueError(
-            "Expected both `num_workers` and `worker_index`, or neither. Received: "
-            f"num_workers={num_workers!r}, worker_index={worker_index!r}"
-        )
-    for name, value in (("num_workers", num_workers), ("worker_index", worker_index)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"Expected `{name}` to be an int. Received: {value!r}")
-    if num_workers < 1:
-        raise ValueError(f"Expected `num_workers` to be a positive int. Received: {num_workers}")
-    if not 0 <= worker_index < num_workers:
-        raise ValueError(
-            f"Expected `worker_index` in [0, {num_workers}) for num_workers={num_workers}. "
-            f"Received: {worker_index}"
-        )
-    return int(num_workers), int(worker_index)
-
-
-def worker_share(
-    keep: np.ndarray | None,
-    record_samples: np.ndarray,
-    num_workers: int,
-    worker_index: int,
-    batch_size: int,
-    drop_remainder: bool,
-) -> tuple[np.ndarray, int, int, int]:
-    """One worker's share of the records and the step count all workers agree on.
-
-    The selected records are cut into ``num_workers`` contiguous runs whose record counts
-    differ by at most one (`numpy.array_split`), so each worker opens about
-    ``1/num_workers`` of the shard files. The step count is the largest of the workers'
-    own counts (the smallest with ``drop_remainder``); a worker with fewer batches ends
-    its epoch with empty batches, which Keras' losses reduce with ``divide_no_nan``.
-
-    Returns:
-        ``(keep_mask, samples, steps, pad_batches)`` for this worker.
-    """
-    total = len(record_samples)
-    selected = np.flatnonzero(keep) if keep is not None else np.arange(total)
-    if len(selected) < num_workers:
-        raise ValueError(
-            f"`num_workers={num_workers}` needs at least {num_workers} records in the "
-            f"selected data; it holds {len(selected)}. Write the data set with a smaller "
-            "`samples_per_record` (and at least 10 shards per expected worker)."
-        )
-    runs = np.array_split(selected, num_workers)
-    samples = [int(record_samples[r].sum()) for r in runs]
-    if drop_remainder:
-        own = [n // batch_size for n in samples]
-        steps = min(own)
-        if steps == 0:
-            raise ValueError(
-                f"`batch_size={batch_size}` with `drop_remainder=True` leaves no batch for "
-                f"a worker: the smallest worker share holds {min(samples)} samples."
-            )
-    else:
-        own = [math.ceil(n / batch_size) for n in samples]
-        steps = max(own)
-    mask = np.zeros(total, dtype=bool)
-    mask[runs[worker_index]] = True
-    pad = max(0, steps - own[worker_index])
-    return mask, samples[worker_index], steps, pad
-
-
-def pad_with_empty_batches(batches: tf.data.Dataset, count: int) -> tf.data.Dataset:
-    """Appends ``count`` batches of zero samples with the element spec of ``batches``."""
-    import tensorflow as tf
-
-    def empty(spec: tf.TensorSpec) -> tf.Tensor:
-        return tf.zeros([0, *spec.shape[1:]], spec.dtype)
-
-    filler = tf.data.Dataset.from_tensors(tf.nest.map_structure(empty, batches.element_spec))
-    return batches.concatenate(filler.repeat(count))
 
 
 def distribute_source(
@@ -159,7 +80,7 @@ def distribute_source(
 
     Under `tf.distribute.MultiWorkerMirroredStrategy` with a Keras that needs it, this
     also wraps two functions of Keras' TensorFlow trainer for the process
-    (`keras_tfr._compat_dist`), so that ``fit`` and ``evaluate`` work with the model
+    (`keras_tfr._compat.keras_dist`), so that ``fit`` and ``evaluate`` work with the model
     built in ``strategy.scope()`` and no other change.
 
     Returns:
@@ -178,10 +99,10 @@ def distribute_source(
     from keras_tfr.source import TFRecordSequenceSource
 
     _check_helper_args("distribute_source", batch_size, source_kwargs)
-    if _compat_dist.multi_worker_fix_applies(strategy):
+    if keras_dist.multi_worker_fix_applies(strategy):
         # Keras' TensorFlow trainer cannot `fit` under MultiWorkerMirroredStrategy without
-        # it (keras_tfr/_compat_dist.py names the bugs); off once Keras is fixed.
-        _compat_dist.install_multi_worker_fix()
+        # it (keras_tfr/_compat/keras_dist.py names the bugs); off once Keras is fixed.
+        keras_dist.install_multi_worker_fix()
     replicas = strategy.num_replicas_in_sync
     if batch_size < replicas or batch_size % replicas:
         raise ValueError(
@@ -398,47 +319,6 @@ def _gather_counts(count: int, processes: int) -> list[int]:
 # ----------------------------------------------------------------- tf.data service
 
 
-def check_service_args(service: Any, mode: Any, job_name: Any) -> None:
-    """Validates the tf.data service arguments of `TFRecordSequenceSource`."""
-    if service is None:
-        return
-    if not isinstance(service, str) or "://" not in service:
-        raise ValueError(
-            "Expected `service` to be a dispatcher address such as 'grpc://host:5050'. "
-            f"Received: {service!r}"
-        )
-    if mode not in SERVICE_MODES:
-        raise ValueError(
-            f"Expected `service_mode` to be one of {SERVICE_MODES}. Received: {mode!r}"
-        )
-    if job_name is not None and (not isinstance(job_name, str) or not job_name):
-        raise ValueError(
-            f"Expected `service_job_name` to be a non-empty str or None. Received: {job_name!r}"
-        )
-
-
-def via_service(
-    dataset: tf.data.Dataset, service: str, mode: str, job_name: str | None
-) -> tf.data.Dataset:
-    """Runs ``dataset`` (reading and decoding) on a tf.data service cluster.
-
-    In ``"distributed_epoch"`` mode the dispatcher hands each shard file to one worker, so
-    every record arrives once per epoch; in ``"parallel_epochs"`` mode each worker sends a
-    whole epoch of its own. A shared ``job_name`` lets several trainers read one job.
-    """
-    import tensorflow as tf
-
-    if mode == "distributed_epoch":
-        policy = tf.data.experimental.service.ShardingPolicy.DYNAMIC
-    else:
-        policy = tf.data.experimental.service.ShardingPolicy.OFF
-    return dataset.apply(
-        tf.data.experimental.service.distribute(
-            processing_mode=policy, service=service, job_name=job_name
-        )
-    )
-
-
 class ServiceCluster:
     """A tf.data service dispatcher and its workers in this process.
 
@@ -541,84 +421,3 @@ def start_service(
         workers.append(worker)
         addresses.append(f"{host}:{worker._address.rsplit(':', 1)[1]}")
     return ServiceCluster(server, workers, target, addresses)
-
-
-# ----------------------------------------------------------------- `keras-tfr serve`
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``keras-tfr serve`` (light: no TensorFlow import)."""
-    parser.add_argument(
-        "--workers", type=int, default=2, help="tf.data service workers to start (default 2)"
-    )
-    parser.add_argument(
-        "--port", type=int, default=5050, help="dispatcher port (default 5050; 0: a free one)"
-    )
-    parser.add_argument(
-        "--worker-ports",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="PORT",
-        help="one port per worker (default: free ports)",
-    )
-    parser.add_argument(
-        "--host",
-        default="localhost",
-        help="host name this machine is reached by, given to trainers (default localhost)",
-    )
-    parser.add_argument(
-        "--dispatcher",
-        default=None,
-        metavar="HOST:PORT",
-        help="start only workers, joining the dispatcher at this address",
-    )
-    parser.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop after this many seconds (default: run until Ctrl-C)",
-    )
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C."""
-    if args.workers < 0:
-        print(
-            f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr
-        )
-        return 2
-    if args.dispatcher is not None and args.workers == 0:
-        print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
-        return 2
-    cluster = start_service(
-        args.workers,
-        port=args.port,
-        worker_ports=args.worker_ports,
-        host=args.host,
-        dispatcher=args.dispatcher,
-    )
-    if cluster.target is not None:
-        print(f"dispatcher: {cluster.target}", flush=True)
-    for address in cluster.worker_addresses:
-        print(f"worker: {address}", flush=True)
-    if cluster.target is not None:
-        print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
-    print("serving; press Ctrl-C to stop", flush=True)
-
-    def on_term(signum: int, frame: FrameType | None) -> NoReturn:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    deadline = None if args.duration is None else time.monotonic() + args.duration
-    try:
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        cluster.stop()
-    print("stopped", flush=True)
-    return 0

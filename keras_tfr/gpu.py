@@ -733,14 +733,9 @@ def _jax_started() -> bool:
     """Whether JAX already created its backends (then XLA's variables are read)."""
     if "jax" not in sys.modules:
         return False
-    try:
-        from jax._src import xla_bridge
-    except ImportError:
-        return False
-    started = getattr(xla_bridge, "backends_are_initialized", None)
-    if started is not None:
-        return bool(started())
-    return bool(getattr(xla_bridge, "_backends", None))
+    from keras_tfr._compat import jax as compat_jax
+
+    return bool(compat_jax.backends_started())
 
 
 def _check_jax_not_started(wanted: dict[str, str]) -> None:

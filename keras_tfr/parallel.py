@@ -16,17 +16,17 @@ children also find them in ``KERAS_TFR_PARALLEL_INDEX`` and ``KERAS_TFR_PARALLEL
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
+
+from keras_tfr._supervise import Child, PrefixedText, stop_all
 
 __all__ = ["launch"]
 
@@ -37,7 +37,7 @@ ENV_COUNT = "KERAS_TFR_PARALLEL_COUNT"
 _ENV_MEGABYTES = "KERAS_TFR_GPU_MEMORY_MB"  # = keras_tfr.gpu.ENV_MEGABYTES (no TF import here)
 _ENV_FRACTION = "KERAS_TFR_GPU_MEMORY_FRACTION"
 
-_POLL_SECONDS = 0.05
+_POLL_SECONDS = 0.05  # how often the launcher checks its children
 
 
 def launch(
@@ -155,17 +155,6 @@ def _check_grace(grace_period: Any) -> float:
     return float(grace_period)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Sends `sig` to the child's whole process group (its own children included)."""
-    try:
-        if hasattr(os, "killpg"):
-            os.killpg(proc.pid, sig)
-        else:  # pragma: no cover - Windows
-            proc.send_signal(sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class _Launcher:
     def __init__(
         self,
@@ -180,24 +169,10 @@ class _Launcher:
         self.out = out
         self.fail_fast = fail_fast
         self.grace_period = grace_period
-        self.procs: list[subprocess.Popen] = []
-        self.readers: list[threading.Thread] = []
-        self.lock = threading.Lock()
+        self.children: list[Child] = []
+        self.lock = threading.Lock()  # one line at a time on `out`
         self.stop_signal: int | None = None  # set by the signal handler
         self.force = False
-
-    # -- output -------------------------------------------------------------------------
-
-    def _pump(self, index: int, stream: Any) -> None:
-        prefix = f"[{index}] "
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            with self.lock:
-                self.out.write(prefix + line)
-                self.out.flush()
-        stream.close()
 
     # -- signals ------------------------------------------------------------------------
 
@@ -219,38 +194,20 @@ class _Launcher:
 
     def _start(self) -> None:
         for i, (argv, env) in enumerate(zip(self.argv, self.envs)):
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own group: we forward signals to its tree
-            )
-            self.procs.append(proc)
-            reader = threading.Thread(
-                target=self._pump, args=(i, proc.stdout), name=f"keras-tfr-parallel-{i}"
-            )
-            reader.daemon = True
-            reader.start()
-            self.readers.append(reader)
+            sink = PrefixedText(self.out, f"[{i}] ", self.lock)
+            self.children.append(Child(str(i), argv, env, sink=sink))
 
     def _stop(self, sig: int) -> None:
         """`sig` to every running child, SIGKILL to those left after the grace period."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                _signal_group(proc, sig)
-        deadline = time.monotonic() + self.grace_period
-        while any(p.poll() is None for p in self.procs):
-            if self.force or time.monotonic() >= deadline:
-                break
-            time.sleep(_POLL_SECONDS)
-        for proc in self.procs:
-            if proc.poll() is None:
-                logger.warning(
-                    "keras-tfr parallel: [%d] did not stop; killing it", self.procs.index(proc)
-                )
-                _signal_group(proc, signal.SIGKILL)
+        stop_all(
+            self.children,
+            sig,
+            self.grace_period,
+            force=lambda: self.force,
+            on_kill=lambda child: logger.warning(
+                "keras-tfr parallel: [%s] did not stop; killing it", child.name
+            ),
+        )
 
     def run(self) -> int:
         previous = self._install_handlers()
@@ -260,28 +217,28 @@ class _Launcher:
                 self._start()
             except BaseException:  # e.g. the program of child k was not found
                 self._stop(signal.SIGTERM)
-                for proc in self.procs:
-                    proc.wait()
+                for child in self.children:
+                    child.wait()
                 raise
             logger.info(
                 "keras-tfr parallel: started %d process(es): %s",
-                len(self.procs),
+                len(self.children),
                 shlex.join(self.argv[0]),
             )
-            while any(p.poll() is None for p in self.procs):
+            while any(c.poll() is None for c in self.children):
                 if self.stop_signal is not None:
                     stopped_by = self.stop_signal
                     name = signal.Signals(stopped_by).name
                     logger.warning("keras-tfr parallel: %s received; stopping all processes", name)
                     self._stop(stopped_by)
                     break
-                if self.fail_fast and any(p.poll() not in (None, 0) for p in self.procs):
+                if self.fail_fast and any(c.poll() not in (None, 0) for c in self.children):
                     logger.warning("keras-tfr parallel: a process failed; stopping the others")
                     self._stop(signal.SIGTERM)
                     break
                 time.sleep(_POLL_SECONDS)
-            for proc in self.procs:
-                proc.wait()
+            for child in self.children:
+                child.wait()
             self._join_readers()
         finally:
             for sig, handler in previous.items():
@@ -291,18 +248,17 @@ class _Launcher:
     def _join_readers(self) -> None:
         # A grandchild that outlives its parent can hold the pipe open: end its group.
         deadline = time.monotonic() + 2.0
-        for reader in self.readers:
-            reader.join(max(0.0, deadline - time.monotonic()))
-        if any(r.is_alive() for r in self.readers):
-            for proc in self.procs:
-                _signal_group(proc, signal.SIGKILL)
-            for reader in self.readers:
-                reader.join(2.0)
+        done = [c.join_output(max(0.0, deadline - time.monotonic())) for c in self.children]
+        if not all(done):
+            for child in self.children:
+                child.signal(signal.SIGKILL)
+            for child in self.children:
+                child.join_output(2.0)
 
     def _summarize(self, stopped_by: int | None) -> int:
         failed = 0
-        for i, proc in enumerate(self.procs):
-            code = proc.returncode
+        for i, child in enumerate(self.children):
+            code = child.wait()  # it has ended: its exit status
             if code == 0:
                 continue
             failed += 1
@@ -315,77 +271,8 @@ class _Launcher:
             return 128 + int(stopped_by)
         if failed:
             logger.warning(
-                "keras-tfr parallel: %d of %d process(es) failed", failed, len(self.procs)
+                "keras-tfr parallel: %d of %d process(es) failed", failed, len(self.children)
             )
             return 1
-        logger.info("keras-tfr parallel: all %d process(es) succeeded", len(self.procs))
+        logger.info("keras-tfr parallel: all %d process(es) succeeded", len(self.children))
         return 0
-
-
-# -- the `keras-tfr parallel` subcommand -------------------------------------------------
-
-
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``keras-tfr parallel`` (imports nothing heavy)."""
-    parser.add_argument(
-        "-n",
-        "--num-processes",
-        type=int,
-        required=True,
-        metavar="N",
-        help="how many processes to run at once",
-    )
-    cap = parser.add_mutually_exclusive_group()
-    cap.add_argument(
-        "--gpu-memory-mb",
-        type=int,
-        metavar="MB",
-        help=f"each process's GPU memory cap in MiB (sets {_ENV_MEGABYTES} for each child)",
-    )
-    cap.add_argument(
-        "--gpu-memory-fraction",
-        type=float,
-        metavar="F",
-        help=f"each process's cap as a fraction of the GPU (sets {_ENV_FRACTION})",
-    )
-    parser.add_argument(
-        "--fail-fast", action="store_true", help="stop the others as soon as one fails"
-    )
-    parser.add_argument(
-        "--grace-period",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="after Ctrl-C or SIGTERM, wait this long before killing (default 10)",
-    )
-    parser.add_argument(
-        "child_command",  # not `command`: the top-level parser keeps the subcommand there
-        nargs=argparse.REMAINDER,
-        metavar="COMMAND",
-        help="the command after `--`; {i} becomes each process's index, {n} the count",
-    )
-    parser.epilog = (
-        "example: keras-tfr parallel -n 4 --gpu-memory-mb 1024 -- python train.py --trial {i}"
-    )
-
-
-def run_parallel(args: argparse.Namespace) -> int:
-    """Runs ``keras-tfr parallel``; returns the exit code (see `launch`)."""
-    command = list(args.child_command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        print(
-            "keras-tfr parallel: error: expected a command after `--`, e.g. "
-            "keras-tfr parallel -n 4 -- python train.py --trial {i}",
-            file=sys.stderr,
-        )
-        return 2
-    return launch(
-        command,
-        args.num_processes,
-        gpu_memory_mb=args.gpu_memory_mb,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        fail_fast=args.fail_fast,
-        grace_period=args.grace_period,
-    )

@@ -30,14 +30,14 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.data.ops import iterator_ops
 
-from keras_tfr import distribute as _distribute
+from keras_tfr._compat.tf import OwnedIterator
 from keras_tfr._seeds import only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
 from keras_tfr.read import order as _order
+from keras_tfr.read import split as _distribute
 from keras_tfr.read.options import DEFAULT_SHUFFLE_MEMORY, SourceOptions
 from keras_tfr.schema import FeatureSpec, check_host_byte_order, tf_bytes_to_feature
 
@@ -145,12 +145,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
-        from keras_tfr import _compat_read
+        from keras_tfr._compat import keras_errors, keras_shuffle
 
-        _compat_read.install_corrupt_record_errors()
-        from keras_tfr import _compat
-
-        _compat.install_shuffle_warning_filter()  # Keras' shuffle warning is wrong for a source
+        keras_errors.install_corrupt_record_errors(corrupt_record_error)
+        keras_shuffle.install_shuffle_warning_filter()  # Keras' shuffle warning: wrong for a source
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,
@@ -218,7 +216,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def __len__(self) -> int:
         return self._steps
 
-    def __iter__(self) -> iterator_ops.OwnedIterator:
+    def __iter__(self) -> OwnedIterator:
         if not tf.inside_function():
             return _Iterator(self)
         return super().__iter__()
@@ -655,7 +653,7 @@ class _EpochClock:
         return out
 
 
-class _Iterator(iterator_ops.OwnedIterator):
+class _Iterator(OwnedIterator):
     """An iterator whose damaged-data errors are `CorruptRecordError`, whichever reader
     found them (TensorFlow reports them as its own error types), and that ends quietly
     after an epoch started mid-way by `set_epoch(epoch, step)` (the source's cardinality

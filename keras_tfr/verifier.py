@@ -55,9 +55,9 @@ def _iter_records(path: str, compression: str | None) -> Iterator[tuple[int | No
 
     if compression is None:
         try:
-            from tensorflow.python.lib.io import _pywrap_record_io
+            from keras_tfr._compat import tf as compat_tf
 
-            reader = _pywrap_record_io.RandomRecordReader(path)
+            reader = compat_tf.random_record_reader(path)
         except Exception:  # private API moved: fall back to the plain iterator
             reader = None
         if reader is not None:

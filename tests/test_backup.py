@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from _backup_child import StandInSource, arrays, model_for
 
-from keras_tfr import BackupAndRestore, _compat_keras
+from keras_tfr import BackupAndRestore
+from keras_tfr._compat import keras_resume
 from keras_tfr.backup import BackupRestoreError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -433,7 +434,7 @@ def test_falls_back_when_keras_does_not_iterate_the_source(kwargs, problem):
 
     train, _ = _sources()
     iterator = EpochIterator(x=train, **kwargs)
-    context = _compat_keras.FitContext(None, train, None, iterator, None)
+    context = keras_resume.FitContext(None, train, None, iterator, None)
     found = context.iterates_source_directly()
     assert (found is None) if problem is None else (problem in found)
 
@@ -451,24 +452,6 @@ def test_unverified_keras_version_falls_back_with_a_warning(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match=r"falls back to Keras' own callback.*Keras 3\.99\.0"):
         _fit(BackupAndRestore(str(d), save_freq=3, delete_checkpoint=False))
     assert sorted(p.name for p in d.iterdir()) == ["latest.weights.h5", "training_metadata.json"]
-
-
-def test_private_keras_api_is_where_keras_tfr_expects_it():
-    problems = _compat_keras.check_private_api()
-    assert problems == [], "Keras moved an API keras_tfr.backup relies on:\n" + "\n".join(problems)
-
-
-def test_api_check_notices_a_moved_api(monkeypatch):
-    from keras.src.trainers.epoch_iterator import EpochIterator
-
-    def _enumerate_iterator(self):  # a rewritten loop
-        yield from ()
-
-    monkeypatch.setattr(EpochIterator, "_enumerate_iterator", _enumerate_iterator)
-    monkeypatch.setattr(keras, "version", lambda: "3.16.0")
-    problems = _compat_keras.check_private_api()
-    assert any("Keras 3.16.0" in p for p in problems)
-    assert any("_enumerate_iterator lost" in p for p in problems)
 
 
 @pytest.mark.parametrize("save_freq", [0, -3, True, False, "batch"])

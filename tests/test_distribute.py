@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from keras_tfr import TFRecordSequenceSource
-from keras_tfr.distribute import start_service, worker_share
+from keras_tfr.distribute import start_service
+from keras_tfr.read.split import worker_share
 
 N = 100  # 25 records of 4: does not split evenly over 2 or 3 workers
 
@@ -258,8 +259,8 @@ _TRAIN_SCRIPT = textwrap.dedent(
     bugs = {}
     if mode == "mwms":
         # Keras' own bugs, with any dataset and no keras-tfr code: first both, then the
-        # second alone (keras_tfr/_compat_dist.py describes them).
-        from keras_tfr import _compat_dist
+        # second alone (keras_tfr/_compat/keras_dist.py describes them).
+        from keras_tfr._compat import keras_dist
 
         plain = tf.data.Dataset.from_tensor_slices(
             (np.ones((16, 3), np.float32), np.ones((16, 1), np.float32))).batch(4)
@@ -269,7 +270,7 @@ _TRAIN_SCRIPT = textwrap.dedent(
                 bugs[stage] = None
             except ValueError as error:
                 bugs[stage] = str(error)[:300]
-            _compat_dist.install_multi_worker_fix(parts=("build",))
+            keras_dist.install_multi_worker_fix(parts=("build",))
 
     epochs_at = []
 
@@ -375,18 +376,18 @@ def test_multi_worker_mirrored_strategy_two_workers(tmp_path, ids_dataset):
     assert np.isfinite(results[0]["eval_loss"])
     # The user code held no workaround: keras-tfr's (installed by `distribute_source`)
     # is still needed, because this Keras still has both bugs.
-    from keras_tfr import _compat_dist
+    from keras_tfr._compat import keras_dist
 
-    if _compat_dist.multi_worker_fix_needed():
+    if keras_dist.multi_worker_fix_needed():
         for r in results:
             assert "PerReplica" in (r["bugs"]["build"] or ""), (
                 "Keras no longer fails in `_maybe_symbolic_build` under "
                 "MultiWorkerMirroredStrategy: if `reduce` below passes too, set "
-                f"keras_tfr._compat_dist.FIXED_IN to this Keras version. Got: {r['bugs']}"
+                f"keras_tfr._compat.keras_dist.FIXED_IN to this Keras version. Got: {r['bugs']}"
             )
             assert "Invalid reduction dimension 0" in (r["bugs"]["reduce"] or ""), (
                 "Keras no longer fails reducing scalar logs under MultiWorkerMirroredStrategy: "
-                "if `build` above passes too, set keras_tfr._compat_dist.FIXED_IN to this "
+                "if `build` above passes too, set keras_tfr._compat.keras_dist.FIXED_IN to this "
                 f"Keras version. Got: {r['bugs']}"
             )
     else:

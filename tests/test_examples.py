@@ -13,13 +13,14 @@ import sys
 
 import pytest
 
-from keras_tfr import _compat, _quiet
+from keras_tfr import _quiet
+from keras_tfr._compat import keras_shuffle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 
 # Keras' shuffle warning goes once TFRecordSequenceSource.__init__ calls
-# `_compat.install_shuffle_warning_filter()`; until then the examples still show it.
+# `keras_shuffle.install_shuffle_warning_filter()`; until then the examples still show it.
 with open(os.path.join(REPO, "keras_tfr", "source.py")) as _f:
     SOURCE_QUIETS_SHUFFLE = "install_shuffle_warning_filter()" in _f.read()
 
@@ -45,7 +46,7 @@ def run_example(tmp_path, script: str, *args: str) -> subprocess.CompletedProces
     if _quiet._no_nvidia_device():
         assert "cuInit" not in output, output
     if SOURCE_QUIETS_SHUFFLE:
-        assert _compat.SHUFFLE_WARNING not in output, output
+        assert keras_shuffle.SHUFFLE_WARNING not in output, output
     return result
 
 

@@ -1,12 +1,12 @@
 """Quiet output: Keras' shuffle warning off for sources only, TensorFlow's start-up lines.
 
-`keras_tfr._compat` holds keras-tfr's private Keras API use; the first test here fails
-loudly, naming the API, when Keras moves it or the installed Keras was never verified.
+`keras_tfr._compat.keras_shuffle` holds the private Keras API use behind the filter;
+``tests/test_compat.py`` fails loudly, naming the API, when Keras moves it or the
+installed Keras was never verified.
 """
 
 from __future__ import annotations
 
-import inspect
 import io
 import os
 import subprocess
@@ -17,66 +17,15 @@ import warnings
 import numpy as np
 import pytest
 
-from keras_tfr import _compat, _quiet
+from keras_tfr import _quiet
+from keras_tfr._compat import keras_shuffle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _original_init(iterator_class):
     init = iterator_class.__init__
-    return getattr(init, "__wrapped__", init) if getattr(init, _compat._MARK, False) else init
-
-
-def test_private_keras_api_is_where_compat_expects_it():
-    import importlib
-
-    import keras
-
-    low, high = _compat.KERAS_VERIFIED
-    assert _compat.keras_version_verified(), (
-        f"Keras {keras.__version__} is outside the range keras_tfr/_compat.py was verified "
-        f"on ({low} to {high}, exclusive): check each private API its docstring lists, "
-        "then widen KERAS_VERIFIED."
-    )
-    epoch_iterator = importlib.import_module(_compat.EPOCH_ITERATOR_MODULE)
-    iterator_class = getattr(epoch_iterator, _compat.EPOCH_ITERATOR)
-    init = _original_init(iterator_class)
-    params = list(inspect.signature(init).parameters)
-    assert params[:2] == ["self", "x"] and "shuffle" in params, (
-        f"{_compat.EPOCH_ITERATOR_MODULE}.EpochIterator.__init__ changed: {params}"
-    )
-    # It hands `shuffle` to get_data_adapter, which is what warns.
-    body = inspect.getsource(init)
-    assert f"{_compat.GET_DATA_ADAPTER}(" in body and "shuffle=shuffle" in body, body
-    adapters = importlib.import_module(_compat.DATA_ADAPTERS_MODULE)
-    get_data_adapter = getattr(adapters, _compat.GET_DATA_ADAPTER)
-    assert {"x", "shuffle"} <= set(inspect.signature(get_data_adapter).parameters)
-    # It warns for a tf.data.Dataset with shuffle=True (what the filter exists for), and
-    # only then: the flag has no other effect for a data set.
-    import tensorflow as tf
-
-    dataset = tf.data.Dataset.range(4).batch(2)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        shuffled = get_data_adapter(x=dataset, shuffle=True)
-        assert len(_shuffle_warnings(record)) == 1, [str(w.message) for w in record]
-        plain = get_data_adapter(x=dataset, shuffle=False)
-        assert len(_shuffle_warnings(record)) == 1
-    assert type(shuffled) is type(plain) and vars(shuffled).keys() == vars(plain).keys()
-    # Every backend's iterator goes through EpochIterator.__init__: inherited, or called
-    # as super().__init__.
-    for module, name in [
-        ("keras.src.backend.tensorflow.trainer", "TFEpochIterator"),
-        ("keras.src.backend.jax.trainer", "JAXEpochIterator"),
-        ("keras.src.backend.torch.trainer", "TorchEpochIterator"),
-    ]:
-        try:
-            sub = getattr(importlib.import_module(module), name)
-        except ImportError:  # that backend's framework is not installed
-            continue
-        assert issubclass(sub, iterator_class)
-        own = vars(sub).get("__init__")
-        assert own is None or "super().__init__(" in inspect.getsource(own), f"{module}.{name}"
+    return getattr(init, "__wrapped__", init) if getattr(init, keras_shuffle._MARK, False) else init
 
 
 @pytest.mark.parametrize(
@@ -84,11 +33,11 @@ def test_private_keras_api_is_where_compat_expects_it():
     [("3.14.9", False), ("3.15.0", True), ("3.15.1", True), ("3.16.0", False), ("4.0", False)],
 )
 def test_keras_version_range(version, expected):
-    assert _compat.keras_version_verified(version) is expected
+    assert keras_shuffle.keras_version_verified(version) is expected
 
 
 def _shuffle_warnings(record):
-    return [w for w in record if _compat.SHUFFLE_WARNING in str(w.message)]
+    return [w for w in record if keras_shuffle.SHUFFLE_WARNING in str(w.message)]
 
 
 def test_fit_on_a_source_does_not_warn_but_a_users_dataset_does(make_dataset, small_xy):
@@ -99,11 +48,11 @@ def test_fit_on_a_source_does_not_warn_but_a_users_dataset_does(make_dataset, sm
 
     x, y = small_xy
     source = TFRecordSequenceSource(make_dataset(x, y), batch_size=8, shuffle=True, seed=0)
-    assert _compat.install_shuffle_warning_filter() is True
-    assert _compat.install_shuffle_warning_filter() is True  # idempotent: wrapped once
+    assert keras_shuffle.install_shuffle_warning_filter() is True
+    assert keras_shuffle.install_shuffle_warning_filter() is True  # idempotent: wrapped once
     from keras.src.trainers.epoch_iterator import EpochIterator
 
-    assert not getattr(EpochIterator.__init__.__wrapped__, _compat._MARK, False)
+    assert not getattr(EpochIterator.__init__.__wrapped__, keras_shuffle._MARK, False)
 
     model = keras.Sequential([keras.Input((5, 3)), keras.layers.Flatten(), keras.layers.Dense(34)])
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -129,9 +78,9 @@ def test_constructing_a_source_installs_the_filter(make_dataset, small_xy, monke
     directory = make_dataset(*small_xy)
     # Keras as it was before any filter (another test may have installed one already).
     monkeypatch.setattr(EpochIterator, "__init__", _original_init(EpochIterator))
-    assert not getattr(EpochIterator.__init__, _compat._MARK, False)
+    assert not getattr(EpochIterator.__init__, keras_shuffle._MARK, False)
     TFRecordSequenceSource(directory, batch_size=8)
-    assert getattr(EpochIterator.__init__, _compat._MARK, False)
+    assert getattr(EpochIterator.__init__, keras_shuffle._MARK, False)
 
 
 # -- TensorFlow's start-up lines ----------------------------------------------------------
@@ -245,8 +194,9 @@ def test_a_first_fit_shows_only_what_the_user_can_act_on(make_dataset):
         import warnings
         import keras
         import tensorflow as tf
-        from keras_tfr import TFRecordSequenceSource, _compat
-        _compat.install_shuffle_warning_filter()  # until source.py calls it itself
+        from keras_tfr import TFRecordSequenceSource
+        from keras_tfr._compat import keras_shuffle
+        keras_shuffle.install_shuffle_warning_filter()  # until source.py calls it itself
         source = TFRecordSequenceSource({directory!r}, batch_size=16, seed=0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -261,7 +211,7 @@ def test_a_first_fit_shows_only_what_the_user_can_act_on(make_dataset):
     assert result.returncode == 0, result.stderr
     assert "fitted on the source" in result.stdout
     err = result.stderr
-    assert err.count(_compat.SHUFFLE_WARNING) == 1, err  # the user's data set's, only
+    assert err.count(keras_shuffle.SHUFFLE_WARNING) == 1, err  # the user's data set's, only
     assert "UserWarning: the user's own warning" in err
     for noise in ("absl::InitializeLog", "I0000 ", "port.cc", "cudart_stub.cc"):
         assert noise not in err, err

@@ -307,8 +307,8 @@ def test_hypermodel_checks_its_arguments():
 
 def test_importing_the_tune_command_does_not_load_tensorflow():
     code = (
-        "import argparse, sys; import keras_tfr.tuner as t; "
-        "t.add_tune_arguments(argparse.ArgumentParser()); "
+        "import argparse, sys; import keras_tfr.tuner; from keras_tfr.cli import tune as t; "
+        "t.add_arguments(argparse.ArgumentParser()); "
         "print(sorted(m for m in ('tensorflow', 'keras', 'keras_tuner') if m in sys.modules))"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_TFR_GPU")}

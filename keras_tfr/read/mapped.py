@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from keras_tfr import _crc
+from keras_tfr._compat import tf as compat_tf
 from keras_tfr.format import framing
 from keras_tfr.read.order import SampleOrder
 from keras_tfr.schema import BlockEncoder, FeatureSpec
@@ -79,7 +80,7 @@ def available() -> bool:
     if sys.platform not in ("linux", "darwin"):
         return False
     try:
-        from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset  # noqa: F401
+        compat_tf.generator_dataset()
     except ImportError:  # pragma: no cover
         return False
     return _libc() is not None
@@ -639,7 +640,8 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     ``[batches, rows, sample_bytes]`` tensors, one per spec (in ``plan.specs`` order).
     ``next_epoch()`` gives each new iterator its ``(epoch, first batch)``."""
     import tensorflow as tf
-    from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
+
+    _GeneratorDataset = compat_tf.generator_dataset()
 
     def init(_unused: Any) -> np.int64:
         number, start = next_epoch()

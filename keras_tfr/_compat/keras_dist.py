@@ -25,7 +25,7 @@ it, ``_collective_all_reduce_multi_worker``); everything else goes to Keras' cod
 `keras_tfr.distribute.distribute_source` installs the fix when it is given a
 MultiWorkerMirroredStrategy and the installed Keras needs it (`multi_worker_fix_needed`),
 so user code holds only public ``tf.distribute`` and Keras calls. When a Keras release
-fixes the bugs, ``tests/test_compat_dist.py`` (which reproduces them with the fix off)
+fixes the bugs, ``tests/test_distribute.py`` (which reproduces them with the fix off)
 fails: set `FIXED_IN` to that release and the fix turns itself off there.
 """
 

@@ -1,10 +1,10 @@
-"""The one home of keras-tfr's use of private Keras APIs.
+"""Keras' shuffle warning, off for keras-tfr sources: the private Keras APIs it needs.
 
-Each private name keras-tfr touches is listed here, with the Keras versions it was
-verified on. Outside that range nothing private is touched (the feature it serves is
-simply off), and ``tests/test_quiet.py`` fails loudly, naming the API, when the installed
-Keras is outside the range or the API has moved, so that a Keras upgrade is re-verified
-here rather than discovered by users.
+The names below are in `keras_tfr._compat.PRIVATE_APIS`, with the Keras versions they
+were verified on (`KERAS_VERIFIED`). Outside that range nothing private is touched (the
+filter is simply off), and ``tests/test_compat.py`` fails loudly, naming the API, when
+the installed Keras is outside the range or the API has moved (`check_private_api`), so
+that a Keras upgrade is re-verified here rather than discovered by users.
 
 Private APIs used:
 
@@ -36,12 +36,17 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["KERAS_VERIFIED", "install_shuffle_warning_filter", "keras_version_verified"]
+__all__ = [
+    "KERAS_VERIFIED",
+    "check_private_api",
+    "install_shuffle_warning_filter",
+    "keras_version_verified",
+]
 
 log = logging.getLogger("keras_tfr")
 
 # [low, high): the Keras (major, minor) versions the private APIs above were verified on.
-# Widen it only after `pytest tests/test_quiet.py` passed on the new version.
+# Widen it only after `pytest tests/test_compat.py tests/test_quiet.py` passed on it.
 KERAS_VERIFIED: tuple[tuple[int, int], tuple[int, int]] = ((3, 15), (3, 16))
 
 # The private names, in one place (the test checks each of them).
@@ -111,8 +116,8 @@ def install_shuffle_warning_filter() -> bool:
         True when the filter is in place (now or from an earlier call).
 
     Example:
-        >>> from keras_tfr import _compat
-        >>> _compat.install_shuffle_warning_filter()
+        >>> from keras_tfr._compat import keras_shuffle
+        >>> keras_shuffle.install_shuffle_warning_filter()
         True
     """
     with _lock:
@@ -146,3 +151,43 @@ def install_shuffle_warning_filter() -> bool:
         setattr(__init__, _MARK, True)
         iterator_class.__init__ = __init__
         return True
+
+
+def check_private_api() -> list[str]:
+    """What moved in the installed Keras, as readable lines (empty when all is in place).
+
+    Checks that the Keras version is verified, that ``EpochIterator.__init__`` takes
+    ``(self, x, ..., shuffle)`` and hands ``shuffle`` to ``get_data_adapter``, which
+    takes ``x`` and ``shuffle``.
+    """
+    import keras
+
+    problems = []
+    if not keras_version_verified():
+        low, high = KERAS_VERIFIED
+        problems.append(
+            f"Keras {keras.__version__} is outside the range keras_tfr/_compat/keras_shuffle.py "
+            f"was verified on ({low} to {high}, exclusive): check each private API its "
+            "docstring lists, then widen KERAS_VERIFIED."
+        )
+    try:
+        iterator_class = getattr(importlib.import_module(EPOCH_ITERATOR_MODULE), EPOCH_ITERATOR)
+        adapters = importlib.import_module(DATA_ADAPTERS_MODULE)
+        get_data_adapter = getattr(adapters, GET_DATA_ADAPTER)
+    except (ImportError, AttributeError) as e:
+        return [*problems, f"{EPOCH_ITERATOR_MODULE}.{EPOCH_ITERATOR} or {GET_DATA_ADAPTER}: {e}"]
+    init = iterator_class.__init__
+    if getattr(init, _MARK, False):
+        init = init.__wrapped__
+    params = list(inspect.signature(init).parameters)
+    if params[:2] != ["self", "x"] or "shuffle" not in params:
+        problems.append(f"{EPOCH_ITERATOR_MODULE}.EpochIterator.__init__ changed: {params}")
+    body = inspect.getsource(init)
+    if f"{GET_DATA_ADAPTER}(" not in body or "shuffle=shuffle" not in body:
+        problems.append(
+            f"{EPOCH_ITERATOR_MODULE}.EpochIterator.__init__ no longer passes `shuffle` to "
+            f"{GET_DATA_ADAPTER}"
+        )
+    if not {"x", "shuffle"} <= set(inspect.signature(get_data_adapter).parameters):
+        problems.append(f"{DATA_ADAPTERS_MODULE}.{GET_DATA_ADAPTER} lost `x` or `shuffle`")
+    return problems

@@ -20,6 +20,7 @@ __all__ = [
     "add_bench_arguments",
     "add_convert_arguments",
     "add_info_arguments",
+    "add_size_arguments",
     "add_verify_arguments",
     "load_array",
     "run_bench",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 VERIFIED_KERAS = ((3, 0), (3, 16))  # [first, last) major.minor seen to work
@@ -37,8 +37,15 @@ def epoch_iterator_class() -> Any:
     return EpochIterator
 
 
-def install_corrupt_record_errors() -> bool:
+def install_corrupt_record_errors(
+    convert: Callable[[BaseException], BaseException | None],
+) -> bool:
     """Makes Keras' epoch loops raise `CorruptRecordError` for keras-tfr's damage errors.
+
+    Args:
+        convert: the `CorruptRecordError` an error stands for, or None
+            (`keras_tfr.source.corrupt_record_error`; passed in so that this module
+            does not import the source).
 
     Idempotent. Returns False (and changes nothing) outside the verified Keras versions or
     when the private API moved: errors then keep TensorFlow's types inside `fit`.
@@ -59,13 +66,11 @@ def install_corrupt_record_errors() -> bool:
         @functools.wraps(original)
         @contextlib.contextmanager
         def catch_stop_iteration(self: Any) -> Iterator[None]:
-            from keras_tfr.source import corrupt_record_error
-
             try:
                 with original(self):
                     yield
             except Exception as e:
-                converted = corrupt_record_error(e)
+                converted = convert(e)
                 if converted is None or converted is e:
                     raise
                 raise converted from e

@@ -1,0 +1,363 @@
+"""Every private TensorFlow, Keras, JAX and keras-tuner API keras-tfr uses, in one place.
+
+`PRIVATE_APIS` names each one: where it lives (module and attribute), its library, the
+versions it was verified on, what keras-tfr needs it for, and which keras-tfr module
+relies on it. The code that touches them lives in this package only:
+
+* `keras_tfr._compat.keras_shuffle`: Keras' "`shuffle=True` ... will be ignored" warning,
+  off for keras-tfr sources (``EpochIterator.__init__``);
+* `keras_tfr._compat.keras_errors`: damaged-data errors inside ``fit`` become
+  `keras_tfr.CorruptRecordError` (``EpochIterator.catch_stop_iteration``);
+* `keras_tfr._compat.keras_resume`: exact mid-epoch resume for
+  `keras_tfr.BackupAndRestore` (``fit``'s frame, ``EpochIterator._enumerate_iterator``);
+* `keras_tfr._compat.keras_dist`: Keras 3 under MultiWorkerMirroredStrategy;
+* `keras_tfr._compat.tf`, `keras_tfr._compat.jax`, `keras_tfr._compat.tuner`: one
+  accessor per private TensorFlow, JAX and keras-tuner name.
+
+Each of the four Keras modules keeps its own version gate (outside it the feature is off,
+or, for ``keras_dist``, off from the release that fixes Keras). `check_all` imports and
+resolves every entry and runs the deeper checks of those modules; ``tests/test_compat.py``
+fails, naming the API, when anything moved. Importing this package imports nothing heavy.
+
+Example:
+    >>> from keras_tfr import _compat
+    >>> _compat.check_all()  # empty when every private API is where it was
+    []
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["PRIVATE_APIS", "PrivateAPI", "check_all", "installed_version", "unverified_versions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateAPI:
+    """One private name keras-tfr uses.
+
+    Attributes:
+        module: the module to import, e.g. ``"keras.src.trainers.epoch_iterator"``.
+        attribute: the dotted path from the module (``"EpochIterator.__init__"``); a part
+            ending in ``()`` is called (``"context()._seed"``); empty for the module.
+        library: the distribution it ships in (``"keras"``, ``"tensorflow"``, ...).
+        verified: the ``major.minor`` versions of ``library`` it was verified on.
+        purpose: what keras-tfr needs it for.
+        used_by: the keras-tfr modules that rely on it (through ``home``).
+        home: the `keras_tfr._compat` module that touches it.
+    """
+
+    module: str
+    attribute: str
+    library: str
+    verified: tuple[str, ...]
+    purpose: str
+    used_by: tuple[str, ...]
+    home: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}" if self.attribute else self.module
+
+
+_KERAS = ("3.15",)
+_TF = ("2.21",)
+_JAX = ("0.10",)
+_TUNER = ("1.4",)
+_EPOCH_ITERATOR = "keras.src.trainers.epoch_iterator"
+_TF_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+PRIVATE_APIS: tuple[PrivateAPI, ...] = (
+    # --- Keras: the shuffle warning (keras_shuffle) ---
+    PrivateAPI(
+        _EPOCH_ITERATOR,
+        "EpochIterator.__init__",
+        "keras",
+        _KERAS,
+        "wrapped to pass shuffle=False for a keras-tfr source (which shuffles itself), "
+        "silencing Keras' wrong 'shuffle=True ... will be ignored' warning",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_shuffle",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.data_adapters",
+        "get_data_adapter",
+        "keras",
+        _KERAS,
+        "the function that warns; EpochIterator.__init__ must pass `shuffle` to it",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_shuffle",
+    ),
+    # --- Keras: CorruptRecordError inside fit (keras_errors) ---
+    PrivateAPI(
+        _EPOCH_ITERATOR,
+        "EpochIterator.catch_stop_iteration",
+        "keras",
+        _KERAS,
+        "wrapped so that damaged-data errors inside fit/evaluate/predict become CorruptRecordError",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_errors",
+    ),
+    # --- Keras: mid-epoch resume (keras_resume) ---
+    PrivateAPI(
+        "keras.src.trainers.trainer",
+        "Trainer._symbolic_build",
+        "keras",
+        _KERAS,
+        "builds the compiled metrics' variables before a resumed epoch restores them",
+        ("keras_tfr.backup",),
+        "keras_tfr._compat.keras_resume",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.trainer",
+        "Trainer.__init__",
+        "keras",
+        _KERAS,
+        "sets `self._initial_epoch`, the epoch fit starts at; BackupAndRestore sets it",
+        ("keras_tfr.backup",),
+        "keras_tfr._compat.keras_resume",
+    ),
+    PrivateAPI(
+        _EPOCH_ITERATOR,
+        "EpochIterator._enumerate_iterator",
+        "keras",
+        _KERAS,
+        "replaced on one EpochIterator object (with `_num_batches`) for the one epoch "
+        "that resumes at step k",
+        ("keras_tfr.backup",),
+        "keras_tfr._compat.keras_resume",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter.get_tf_dataset",
+        "keras",
+        _KERAS,
+        "checks that each epoch's iterator is made from the source itself",
+        ("keras_tfr.backup",),
+        "keras_tfr._compat.keras_resume",
+    ),
+    PrivateAPI(
+        _TF_TRAINER,
+        "TensorFlowTrainer.fit",
+        "keras",
+        _KERAS,
+        "its locals (self, x, validation_data, epoch_iterator, callbacks) are read from "
+        "the stack in on_train_begin (the JAX and torch fit too, checked from source)",
+        ("keras_tfr.backup",),
+        "keras_tfr._compat.keras_resume",
+    ),
+    # --- Keras: MultiWorkerMirroredStrategy (keras_dist) ---
+    PrivateAPI(
+        _TF_TRAINER,
+        "TensorFlowTrainer._maybe_symbolic_build",
+        "keras",
+        _KERAS,
+        "wrapped: build from the first batch's local values under multi-worker",
+        ("keras_tfr.distribute",),
+        "keras_tfr._compat.keras_dist",
+    ),
+    PrivateAPI(
+        _TF_TRAINER,
+        "reduce_per_replica",
+        "keras",
+        _KERAS,
+        "wrapped: scalar logs averaged with axis=None under multi-worker",
+        ("keras_tfr.distribute",),
+        "keras_tfr._compat.keras_dist",
+    ),
+    PrivateAPI(
+        _TF_TRAINER,
+        "_collective_all_reduce_multi_worker",
+        "keras",
+        _KERAS,
+        "Keras' own test for the multi-worker case; the fix changes only that case",
+        ("keras_tfr.distribute",),
+        "keras_tfr._compat.keras_dist",
+    ),
+    # --- TensorFlow (tf) ---
+    PrivateAPI(
+        "tensorflow.python.data.ops.from_generator_op",
+        "_GeneratorDataset",
+        "tensorflow",
+        _TF,
+        "a dataset of init/next/finalize Python functions with per-iterator state",
+        ("keras_tfr.read.mapped",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.data.ops.iterator_ops",
+        "OwnedIterator",
+        "tensorflow",
+        _TF,
+        "subclassed so the source's iterator raises CorruptRecordError",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.eager.context",
+        "context()._seed",
+        "tensorflow",
+        _TF,
+        "the global seed, hidden while a pipeline is built so seed= alone sets the order",
+        ("keras_tfr._seeds", "keras_tfr.source", "keras_tfr.tfrecords"),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.lib.io._pywrap_record_io",
+        "RandomRecordReader",
+        "tensorflow",
+        _TF,
+        "reads a record at a byte offset, so verify names the offset of a bad record",
+        ("keras_tfr.verifier",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.data.ops.dataset_ops",
+        "DatasetV2._variant_tensor",
+        "tensorflow",
+        _TF,
+        "the source is a tf.data.Dataset subclass: it passes its pipeline's variant to "
+        "DatasetV2.__init__ and overrides `_inputs` (used in source.py directly)",
+        ("keras_tfr.source",),
+        "keras_tfr.source",
+    ),
+    # --- JAX (jax) ---
+    PrivateAPI(
+        "jax._src.xla_bridge",
+        "backends_are_initialized",
+        "jax",
+        _JAX,
+        "whether JAX started (then XLA no longer reads limit_gpu_memory's variables)",
+        ("keras_tfr.gpu",),
+        "keras_tfr._compat.jax",
+    ),
+    # --- keras-tuner (tuner) ---
+    PrivateAPI(
+        "keras_tuner.src.engine.base_tuner",
+        "BaseTuner.__init__",
+        "keras-tuner",
+        _TUNER,
+        "wrapped in `keras-tfr tune` children: overwrite only on the chief; report the "
+        "project directory and objective",
+        ("keras_tfr.tuner",),
+        "keras_tfr._compat.tuner",
+    ),
+    PrivateAPI(
+        "keras_tuner.src.distribute.oracle_chief",
+        "time",
+        "keras-tuner",
+        _TUNER,
+        "replaced in `keras-tfr tune`'s chief: its 20 s sleeps become 0.5 s",
+        ("keras_tfr.tuner",),
+        "keras_tfr._compat.tuner",
+    ),
+)
+
+_IMPORT_NAMES = {"keras-tuner": "keras_tuner"}
+
+
+def installed_version(library: str) -> str | None:
+    """The installed version of ``library`` (None when it is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(library)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _installed(library: str) -> bool:
+    return importlib.util.find_spec(_IMPORT_NAMES.get(library, library)) is not None
+
+
+def _resolve(api: PrivateAPI) -> Any:
+    owner: Any = importlib.import_module(api.module)
+    for part in filter(None, api.attribute.split(".")):
+        call = part.endswith("()")
+        owner = getattr(owner, part.removesuffix("()"))
+        if call:
+            owner = owner()
+    return owner
+
+
+def unverified_versions() -> list[str]:
+    """Libraries installed at a ``major.minor`` that no entry was verified on."""
+    out = []
+    for library in sorted({api.library for api in PRIVATE_APIS}):
+        version = installed_version(library)
+        if version is None:
+            continue
+        entries = [api for api in PRIVATE_APIS if api.library == library]
+        verified = sorted({v for api in entries for v in api.verified})
+        if ".".join(version.split(".")[:2]) not in verified:
+            out.append(f"{library} {version} is installed; keras-tfr verified {verified}")
+    return out
+
+
+def _deep_checks() -> list[tuple[str, Callable[[], list[str]]]]:
+    # The modules' own, finer checks (signatures, the code around the hooks).
+    def shuffle() -> list[str]:
+        from keras_tfr._compat import keras_shuffle
+
+        return keras_shuffle.check_private_api()
+
+    def errors() -> list[str]:
+        from keras_tfr._compat import keras_errors
+
+        try:
+            keras_errors.epoch_iterator_class()
+        except ImportError as e:
+            return [f"{e} is gone"]
+        return []
+
+    def resume() -> list[str]:
+        from keras_tfr._compat import keras_resume
+
+        return keras_resume.check_private_api()
+
+    def dist() -> list[str]:
+        from keras_tfr._compat import keras_dist
+
+        try:
+            keras_dist._resolve()
+        except keras_dist.KerasCompatError as e:
+            return [str(e)]
+        return []
+
+    return [("keras", shuffle), ("keras", errors), ("keras", resume), ("keras", dist)]
+
+
+def check_all() -> list[str]:
+    """Imports and resolves every entry of `PRIVATE_APIS`; says what moved.
+
+    Entries of libraries that are not installed are skipped. The four Keras modules'
+    own checks (signatures, the code around each hook) run too.
+
+    Returns:
+        One readable line per problem, naming the API, its home in keras-tfr and the
+        installed version; empty when everything is where it was verified.
+
+    Example:
+        >>> for problem in check_all():
+        ...     print(problem)
+    """
+    problems = []
+    for api in PRIVATE_APIS:
+        if not _installed(api.library):
+            continue
+        try:
+            _resolve(api)
+        except Exception as e:  # ImportError, AttributeError, or the call failed
+            problems.append(
+                f"{api.name} ({api.library} {installed_version(api.library)}; used by "
+                f"{', '.join(api.used_by)} through {api.home}) moved: "
+                f"{type(e).__name__}: {e}"
+            )
+    for library, check in _deep_checks():
+        if _installed(library):
+            problems += check()
+    return problems

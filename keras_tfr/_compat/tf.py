@@ -1,0 +1,80 @@
+"""The private TensorFlow APIs keras-tfr uses, each behind one accessor.
+
+Every name here is listed in `keras_tfr._compat.PRIVATE_APIS` (with the TensorFlow
+versions it was verified on) and resolved by `keras_tfr._compat.check_all`, so that
+``tests/test_compat.py`` names the API when a TensorFlow release moves it. Nothing is
+imported until an accessor runs: importing this module does not load TensorFlow.
+
+* ``tensorflow.python.data.ops.from_generator_op._GeneratorDataset``: a dataset from
+  three Python functions (init, next, finalize) with a per-iterator state; the mapped
+  reader (`keras_tfr.read.mapped`) keeps one epoch's state per iterator with it.
+* ``tensorflow.python.data.ops.iterator_ops.OwnedIterator``: the eager iterator of a
+  `tf.data.Dataset`; the source subclasses it to convert damaged-data errors.
+* ``tensorflow.python.eager.context.context()._seed``: the global seed that
+  `tf.random.set_seed` sets; `keras_tfr._seeds` hides it while a pipeline is built.
+* ``tensorflow.python.lib.io._pywrap_record_io.RandomRecordReader``: reads one TFRecord
+  at a byte offset, so that `keras_tfr.verifier` can name the offset of a bad record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for annotations only: TensorFlow loads when an accessor runs
+    from tensorflow.python.data.ops.iterator_ops import OwnedIterator
+
+__all__ = [
+    "OwnedIterator",
+    "generator_dataset",
+    "get_global_seed",
+    "owned_iterator",
+    "random_record_reader",
+    "set_global_seed",
+]
+
+
+def generator_dataset() -> Any:
+    """TensorFlow's private ``_GeneratorDataset`` class (ImportError when it moved)."""
+    from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
+
+    return _GeneratorDataset
+
+
+def owned_iterator() -> type[OwnedIterator]:
+    """TensorFlow's ``OwnedIterator`` class, the eager iterator of a `tf.data.Dataset`."""
+    from tensorflow.python.data.ops.iterator_ops import OwnedIterator
+
+    return OwnedIterator
+
+
+def __getattr__(name: str) -> Any:
+    # `from keras_tfr._compat.tf import OwnedIterator` (a base class, needed at import
+    # time of the module that subclasses it) resolves here, lazily.
+    if name == "OwnedIterator":
+        return owned_iterator()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _eager_context() -> Any:
+    from tensorflow.python.eager import context  # private: the global seed's only home
+
+    return context.context()
+
+
+def get_global_seed() -> int | None:
+    """The global seed `tf.random.set_seed` set (None when unset or not found)."""
+    return getattr(_eager_context(), "_seed", None)
+
+
+def set_global_seed(seed: int | None) -> None:
+    """Sets the eager context's global seed directly, without resetting its random
+    sequence (which `tf.random.set_seed` would do)."""
+    _eager_context()._seed = seed
+
+
+def random_record_reader(path: str) -> Any:
+    """TensorFlow's private ``RandomRecordReader`` on ``path``: ``read(offset)`` returns
+    ``(record, next_offset)`` and raises IndexError at the end of the file."""
+    from tensorflow.python.lib.io import _pywrap_record_io
+
+    return _pywrap_record_io.RandomRecordReader(path)

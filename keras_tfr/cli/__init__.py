@@ -1,0 +1,117 @@
+"""The ``keras-tfr`` command: `main` and the table of its subcommands.
+
+`SUBCOMMANDS` lists every subcommand with its one-line help and its two functions:
+``add_arguments(parser)`` (light: no TensorFlow import) and ``run(args) -> int`` (the exit
+code). Each lives in a module of this package, one per subcommand or group:
+`keras_tfr.cli.data` (``convert``, ``info``, ``verify``, ``bench``),
+`keras_tfr.cli.tfrecords`, `keras_tfr.cli.parallel`, `keras_tfr.cli.tune` and
+`keras_tfr.cli.serve`. TensorFlow is imported only by the subcommand that runs and needs
+it, so ``keras-tfr --help`` answers at once.
+
+Exit codes: 0 success, 1 the command ran and found a problem (a bad shard, a failed
+child process), 2 bad usage or input (argparse's own convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from keras_tfr._version import __version__
+from keras_tfr.cli import data, parallel, serve, tfrecords, tune
+from keras_tfr.errors import KerasTFRError
+
+__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    """One ``keras-tfr`` subcommand: its help line, its arguments and what it runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# The order is the order of `--help`.
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "convert": Subcommand(
+        "convert .npy/.npz files, memmaps or HDF5 data sets",
+        data.add_convert_arguments,
+        data.run_convert,
+    ),
+    "info": Subcommand(
+        "show a data set's schema, counts, sizes and shards",
+        data.add_info_arguments,
+        data.run_info,
+    ),
+    "verify": Subcommand(
+        "read every record and check CRCs, counts, checksums",
+        data.add_verify_arguments,
+        data.run_verify,
+    ),
+    "bench": Subcommand(
+        "measure a data set's read throughput on this machine",
+        data.add_bench_arguments,
+        data.run_bench,
+    ),
+    "convert-tfrecords": Subcommand(
+        "rewrite TFRecords of other tools (one Example per sample) as keras-tfr blocks",
+        tfrecords.add_arguments,
+        tfrecords.run,
+    ),
+    "parallel": Subcommand(
+        "run N capped training processes at once on one GPU",
+        parallel.add_arguments,
+        parallel.run,
+    ),
+    "tune": Subcommand(
+        "run a keras-tuner search with a chief and N local workers",
+        tune.add_arguments,
+        tune.run,
+    ),
+    "serve": Subcommand(
+        "start a tf.data service dispatcher and workers",
+        serve.add_arguments,
+        serve.run,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-tfr",
+        description="Train Keras models on data larger than RAM: convert arrays to sharded "
+        "TFRecords, inspect and verify them, and run several capped trainings on one GPU.",
+    )
+    parser.add_argument("--version", action="version", version=f"keras-tfr {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in SUBCOMMANDS.items():
+        description = command.help[0].upper() + command.help[1:]
+        p = sub.add_parser(name, help=command.help, description=description)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("keras-tfr: interrupted", file=sys.stderr)
+        return 130
+    except (KerasTFRError, ValueError, TypeError, OSError) as e:
+        # One place turns bad input into exit code 2 for every subcommand.
+        print(f"keras-tfr {args.command}: error: {e}", file=sys.stderr)
+        return 2

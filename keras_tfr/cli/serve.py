@@ -1,0 +1,95 @@
+"""``keras-tfr serve``: start a tf.data service dispatcher and workers on this machine.
+
+Argument definitions import nothing heavy; TensorFlow loads when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from types import FrameType
+from typing import NoReturn
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``keras-tfr serve`` (light: no TensorFlow import)."""
+    parser.add_argument(
+        "--workers", type=int, default=2, help="tf.data service workers to start (default 2)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=5050, help="dispatcher port (default 5050; 0: a free one)"
+    )
+    parser.add_argument(
+        "--worker-ports",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="PORT",
+        help="one port per worker (default: free ports)",
+    )
+    parser.add_argument(
+        "--host",
+        default="localhost",
+        help="host name this machine is reached by, given to trainers (default localhost)",
+    )
+    parser.add_argument(
+        "--dispatcher",
+        default=None,
+        metavar="HOST:PORT",
+        help="start only workers, joining the dispatcher at this address",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C."""
+    if args.workers < 0:
+        print(
+            f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr
+        )
+        return 2
+    if args.dispatcher is not None and args.workers == 0:
+        print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
+        return 2
+    from keras_tfr.distribute import start_service
+
+    cluster = start_service(
+        args.workers,
+        port=args.port,
+        worker_ports=args.worker_ports,
+        host=args.host,
+        dispatcher=args.dispatcher,
+    )
+    if cluster.target is not None:
+        print(f"dispatcher: {cluster.target}", flush=True)
+    for address in cluster.worker_addresses:
+        print(f"worker: {address}", flush=True)
+    if cluster.target is not None:
+        print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
+    print("serving; press Ctrl-C to stop", flush=True)
+
+    def on_term(signum: int, frame: FrameType | None) -> NoReturn:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+    print("stopped", flush=True)
+    return 0
