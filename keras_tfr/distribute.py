@@ -39,17 +39,6 @@ import numpy as np
 
 from keras_tfr._compat import keras_dist
 
-# The reader's split among workers lives in `keras_tfr.read.split`; these names stay
-# importable from here (`keras_tfr.read.options` and `keras_tfr.read.graph` use them).
-from keras_tfr.read.split import (  # noqa: F401
-    SERVICE_MODES,
-    check_service_args,
-    check_worker_args,
-    pad_with_empty_batches,
-    via_service,
-    worker_share,
-)
-
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
     import tensorflow as tf
 

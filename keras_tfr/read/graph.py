@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_tfr import distribute as _distribute
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
+from keras_tfr.read import split as _distribute
 from keras_tfr.schema import (
     COUNT_KEY,
     FeatureSpec,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from keras_tfr import _checks
-from keras_tfr import distribute as _distribute
 from keras_tfr.manifest import parse_size
+from keras_tfr.read import split as _distribute
 
 DEFAULT_SHUFFLE_MEMORY = "64MB"
 ACCESS_MODES = ("auto", "samples", "blocks")
