@@ -671,10 +671,16 @@ class _Iterator(OwnedIterator):
                 raise StopIteration from None
             raise
         except tf.errors.OpError as e:
-            converted = corrupt_record_error(e)
-            if converted is None:
-                raise
-            raise converted from e
+            error: BaseException = e
+        converted = corrupt_record_error(error)
+        if converted is None:
+            raise error
+        try:
+            raise converted from error
+        finally:
+            # No reference from this frame to the errors: the traceback holds the frame,
+            # and a cycle would keep this iterator alive until the cyclic collector runs.
+            del error, converted
 
 
 def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:

@@ -46,6 +46,7 @@ How:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import mmap
@@ -633,6 +634,31 @@ class _Buffers:
 _registry: dict[int, Epoch] = {}
 _registry_lock = threading.Lock()
 _ids = itertools.count(1)
+_at_exit: list[bool] = []
+
+
+def _release_at_exit() -> None:
+    """Once per process: collect dropped iterators while Python still runs at exit.
+
+    An iterator dropped after an error can be kept alive by a reference cycle through
+    the error's traceback until the cyclic collector runs. Left to the interpreter's
+    own shutdown, TensorFlow would then call the generator's Python finalizer from a
+    thread that can no longer take the GIL, and the process would hang at exit.
+    """
+    if not _at_exit:
+        _at_exit.append(True)
+        atexit.register(_collect_iterators)
+
+
+def _collect_iterators() -> None:
+    import gc
+
+    gc.collect()
+    with _registry_lock:
+        epochs = list(_registry.values())
+        _registry.clear()
+    for epoch in epochs:
+        epoch.close()
 
 
 def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
@@ -644,6 +670,7 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     _GeneratorDataset = compat_tf.generator_dataset()
 
     def init(_unused: Any) -> np.int64:
+        _release_at_exit()
         number, start = next_epoch()
         eid = next(_ids)
         with _registry_lock:
