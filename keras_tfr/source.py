@@ -25,7 +25,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -220,6 +220,35 @@ class TFRecordSequenceSource(tf.data.Dataset):
         if not tf.inside_function():
             return _Iterator(self)
         return super().__iter__()
+
+    def as_numpy_iterator(self) -> Iterator[Any]:
+        """An iterator over one epoch's batches as NumPy arrays (the structure of
+        `element_spec`, as `tf.data.Dataset.as_numpy_iterator` gives).
+
+        In sample mode (`access`) the batches come straight from the memory-mapped
+        reader, without tf.data in between: the same order, epochs, CRC and layout
+        checks and damage handling (`CorruptRecordError`) as iterating the source, at
+        the cost of the gather alone. Use it for loops that want NumPy (a custom
+        training loop, JAX, torch). A batch is a view of a buffer the reader recycles
+        once no batch from it is referenced any more; keep a batch as long as you need.
+        In block mode this is `tf.data.Dataset.as_numpy_iterator`.
+
+        Example:
+            >>> for x, y in source.as_numpy_iterator():
+            ...     loss = train_step(x, y)  # x: np.ndarray [batch_size, *shape]
+        """
+        plan = getattr(self, "_mapped_plan", None)
+        if plan is None or self._decode:
+            return super().as_numpy_iterator()
+        from keras_tfr.read.numpy_iter import NumpyBatches
+
+        return NumpyBatches(
+            plan,
+            self._clock.take,
+            self._structure_fn(),
+            self._pad_batches,
+            corrupt_record_error,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,218 @@
+"""`TFRecordSequenceSource.as_numpy_iterator`: NumPy batches straight from the mapped
+reader (sample mode) that are, bit for bit, the batches the tf.data pipeline yields, with
+the same epochs, resume point, checks and damage handling; tf.data's own iterator in
+block mode."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
+from keras_tfr.read import mapped
+from keras_tfr.read.numpy_iter import NumpyBatches
+
+
+@pytest.fixture
+def sorted_data(tmp_path):
+    """1,003 class-sorted samples (7, 5) float32, int64 labels, float32 weights."""
+    n = 1003
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, 7, 5)).astype(np.float32)
+    y = np.repeat(np.arange(10), -(-n // 10))[:n].astype(np.int64)
+    w = rng.random(n).astype(np.float32)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(
+        x, y, d, sample_weight=w, samples_per_record=37, min_shards=3, verbose=0
+    )
+    return d, x, y, w
+
+
+def _as_numpy(batch):
+    return tuple(np.asarray(t) for t in batch)
+
+
+def _same(a, b):
+    """Bit for bit (float NaNs and -0.0 included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_numpy_batches_are_the_tf_data_batches(sorted_data, shuffle, drop_remainder):
+    d, x, y, w = sorted_data
+    kwargs = dict(batch_size=64, shuffle=shuffle, seed=3, drop_remainder=drop_remainder)
+    a = TFRecordSequenceSource(d, **kwargs)
+    b = TFRecordSequenceSource(d, **kwargs)
+    assert a.access == "samples"
+    for epoch in range(2):
+        it = a.as_numpy_iterator()
+        assert isinstance(it, NumpyBatches)
+        fast = list(it)
+        slow = [_as_numpy(t) for t in b]
+        assert len(fast) == len(slow) == len(a)
+        order = a.sample_order(epoch)
+        at = 0
+        for f, s in zip(fast, slow):
+            assert isinstance(f, tuple) and len(f) == 3
+            for ft, st in zip(f, s):
+                assert type(ft) is np.ndarray
+                _same(ft, st)
+            rows = order[at : at + len(f[1])]
+            _same(f[0], x[rows])
+            _same(f[1], y[rows])
+            _same(f[2], w[rows])
+            at += len(f[1])
+        assert at == (len(x) // 64 * 64 if drop_remainder else len(x))
+
+
+def test_batches_held_by_the_caller_are_never_overwritten(sorted_data):
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=16, seed=0)
+    held = list(src.as_numpy_iterator())  # every batch of epoch 0 kept at once
+    copies = [b[0].copy() for b in held]
+    for _ in range(3):  # later epochs reuse whatever buffers are free
+        for _ in src.as_numpy_iterator():
+            pass
+    for b, c in zip(held, copies):
+        _same(b[0], c)
+    _same(np.concatenate(copies), x[src.sample_order(0)])
+
+
+def test_structures_and_dtypes_round_trip(tmp_path):
+    n = 300
+    rng = np.random.default_rng(1)
+    x = {
+        "img": rng.integers(0, 255, (n, 4, 4), dtype=np.uint8),
+        "flag": rng.random(n) > 0.5,
+        "small": rng.integers(-128, 127, (n, 3), dtype=np.int8),
+        "half": rng.standard_normal((n, 2)).astype(np.float16),
+        "big": rng.integers(0, 2**63, n, dtype=np.uint64),
+    }
+    y = [rng.standard_normal((n, 3)), np.arange(n, dtype=np.int32)]
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, samples_per_record=11, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=32, seed=9)
+    fast = list(src.as_numpy_iterator())
+    tf_batches = list(TFRecordSequenceSource(d, batch_size=32, seed=9))
+    order = src.sample_order(0)
+    at = 0
+    for (fx, fy), (tx, ty) in zip(fast, tf_batches):
+        assert isinstance(fx, dict) and sorted(fx) == sorted(x)
+        assert isinstance(fy, tuple) and len(fy) == 2
+        rows = order[at : at + len(fy[1])]
+        for k in x:
+            _same(fx[k], np.asarray(tx[k]))
+            _same(fx[k], x[k][rows])
+        for i in range(2):
+            _same(fy[i], np.asarray(ty[i]))
+            _same(fy[i], y[i][rows])
+        at += len(rows)
+    assert at == n
+
+
+def test_epochs_and_resume_follow_the_source_clock(sorted_data):
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=100, seed=4)
+    unread = src.as_numpy_iterator()  # made and dropped unread: takes no epoch
+    del unread
+    e0 = np.concatenate([b[0] for b in src.as_numpy_iterator()])
+    e1 = np.concatenate([b[0].numpy() for b in src])  # tf.data iterator: epoch 1
+    e2 = np.concatenate([b[0] for b in src.as_numpy_iterator()])
+    for e, got in enumerate([e0, e1, e2]):
+        _same(got, x[src.sample_order(e)])
+    src.set_epoch(7, step=3)
+    resumed = list(src.as_numpy_iterator())
+    assert len(resumed) == len(src) - 3
+    _same(np.concatenate([b[0] for b in resumed]), x[src.sample_order(7)[300:]])
+
+
+def test_validation_subsets_split_the_same_way(sorted_data):
+    d, _, y, _ = sorted_data
+    kw = dict(batch_size=50, validation_split=0.2, seed=2)
+    train = TFRecordSequenceSource(d, subset="training", **kw)
+    val = TFRecordSequenceSource(d, subset="validation", **kw)
+    ty = np.concatenate([b[1] for b in train.as_numpy_iterator()])
+    vy = np.concatenate([b[1] for b in val.as_numpy_iterator()])
+    assert len(vy) == int(0.2 * len(y)) and len(ty) + len(vy) == len(y)
+    _same(np.sort(np.concatenate([ty, vy])), np.sort(y))
+    val.set_epoch(0)
+    _same(vy, np.concatenate([b[1].numpy() for b in val]))
+
+
+def test_padding_batches_of_a_worker_share_are_empty(tmp_path):
+    x = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, None, d, samples_per_record=10, verbose=0)
+    shares = [
+        TFRecordSequenceSource(d, batch_size=8, num_workers=3, worker_index=i, seed=0)
+        for i in range(3)
+    ]
+    steps = {len(s) for s in shares}
+    assert len(steps) == 1
+    seen = []
+    for s in shares:
+        fast = list(s.as_numpy_iterator())
+        s.set_epoch(0)
+        slow = [np.asarray(b) for b in s]
+        assert len(fast) == len(slow) == len(s)
+        for f, t in zip(fast, slow):
+            _same(f, t)
+        seen.append(np.concatenate(fast))
+    _same(np.sort(np.concatenate(seen)[:, 0]), x[:, 0])
+
+
+def test_damaged_record_raises_corrupt_record_error_or_is_skipped(tmp_path):
+    x = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, None, d, samples_per_record=20, verbose=0)
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".tfrecord"))[0]
+    path = os.path.join(d, shard)
+    with open(path, "r+b") as f:  # a payload byte of the second record
+        specs = sorted(TFRecordSequenceSource(d).manifest.features, key=lambda s: s.key)
+        f.seek(mapped.frame_bytes(specs, 20) + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CorruptRecordError, match="CRC") as info:
+        for _ in TFRecordSequenceSource(d, batch_size=16, seed=0).as_numpy_iterator():
+            pass
+    assert info.value.file == path
+    skip = TFRecordSequenceSource(d, batch_size=16, seed=0, on_corrupt="skip")
+    got = np.concatenate(list(skip.as_numpy_iterator()))
+    assert len(got) == 400 and skip.corrupt_records == 1
+    lost = set(range(20, 40))
+    assert not lost & set((got[:, 0] // 4).astype(int).tolist())
+
+
+def test_iterators_dropped_or_closed_mid_epoch_stop_their_threads(sorted_data):
+    d, _, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    next(src.as_numpy_iterator())
+    gc.collect()
+    before = threading.active_count()
+    for _ in range(20):
+        it = src.as_numpy_iterator()
+        next(it)
+        del it
+    closed = src.as_numpy_iterator()
+    next(closed)
+    closed.close()
+    with pytest.raises(StopIteration):
+        next(closed)
+    gc.collect()
+    assert threading.active_count() <= before + 2, "reader threads leaked"
+
+
+def test_block_mode_gives_tf_datas_numpy_batches(sorted_data):
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=64, shuffle=False, access="blocks")
+    it = src.as_numpy_iterator()
+    assert not isinstance(it, NumpyBatches)
+    got = np.concatenate([b[0] for b in it])
+    _same(got, x)
