@@ -10,6 +10,22 @@ from typing import Any
 TARGETS = [
     ("read small >= memmap + threads", "read", "small", "keras-tfr", "memmap-threads", 1.0),
     ("read large >= memmap + threads", "read", "large", "keras-tfr", "memmap-threads", 1.0),
+    (
+        "read small, as_numpy_iterator >= memmap + threads",
+        "read",
+        "small",
+        "keras-tfr-numpy",
+        "memmap-threads",
+        1.0,
+    ),
+    (
+        "read large, as_numpy_iterator >= memmap + threads",
+        "read",
+        "large",
+        "keras-tfr-numpy",
+        "memmap-threads",
+        1.0,
+    ),
     ("fit small >= memmap + PyDataset", "fit", "small", "keras-tfr", "memmap-pydataset", 1.0),
     ("fit large >= memmap + PyDataset", "fit", "large", "keras-tfr", "memmap-pydataset", 1.0),
     ("read large2g >= memmap + threads", "read", "large2g", "keras-tfr", "memmap-threads", 1.0),

@@ -12,7 +12,10 @@ shuffle.
 
 Pipelines (read benchmark, one epoch, no model):
 
-* ``keras-tfr``: `TFRecordSequenceSource(..., shuffle=True, seed=0)`.
+* ``keras-tfr``: `TFRecordSequenceSource(..., shuffle=True, seed=0)`, iterated as a
+  `tf.data.Dataset` (tensors).
+* ``keras-tfr as_numpy_iterator()``: the same source's NumPy batches, straight from the
+  memory-mapped reader (what a Python loop that wants NumPy uses).
 * ``tutorial``: one ``tf.train.Example`` per sample holding ``tf.io.serialize_tensor``
   bytes; ``shuffle(3000)``, ``map(parse_single_example + parse_tensor, 8)``, ``batch``,
   ``prefetch`` (the pipeline of most TFRecord tutorials).
@@ -71,6 +74,7 @@ PEER_THREADS = 4
 
 READ_PIPELINES = [
     "keras-tfr",
+    "keras-tfr-numpy",
     "tutorial",
     "per-sample-raw",
     "from_tensor_slices",
@@ -84,6 +88,7 @@ WRITE_PIPELINES = ["keras-tfr", "np.save", "tutorial"]
 
 LABELS = {
     "keras-tfr": "keras-tfr",
+    "keras-tfr-numpy": "keras-tfr as_numpy_iterator()",
     "tutorial": "tutorial (per-sample serialize_tensor)",
     "per-sample-raw": "per-sample raw bytes, batched parse",
     "from_tensor_slices": "from_tensor_slices (in RAM)",
@@ -383,6 +388,15 @@ def work_read(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[
         return _grain_read(p, shape)
     if pipeline == "memmap-threads":
         return _memmap_read(p)
+    if pipeline == "keras-tfr-numpy":
+        src = _tf_read_pipeline(p, "keras-tfr", shape)
+
+        class Epochs:
+            def __iter__(self):
+                return src.as_numpy_iterator()
+
+        count, dt, cpu = _iterate(Epochs())
+        return {"seconds": dt, "examples": count, "cpu_seconds": cpu}
     ds = _tf_read_pipeline(p, pipeline, shape)
     count, dt, cpu = _iterate(ds)
     return {"seconds": dt, "examples": count, "cpu_seconds": cpu}
@@ -564,6 +578,18 @@ def run_worker(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     return {"error": f"worker failed (rc={proc.returncode}): {tail}"}
 
 
+def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median time among rounds (an error if every round failed), with every
+    round's seconds beside it."""
+    ok = sorted((r for r in runs if "seconds" in r), key=lambda r: r["seconds"])
+    if not ok:
+        return runs[-1]
+    out = dict(ok[(len(ok) - 1) // 2])
+    if len(runs) > 1:
+        out["round_seconds"] = [r.get("seconds") for r in runs]
+    return out
+
+
 def _load_avg() -> str:
     try:
         return " ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -612,6 +638,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="read,fit,write,rss", help="comma-separated groups")
     parser.add_argument("--shapes", default="small,large")
     parser.add_argument("--keep-data", action="store_true")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the read and fit pipelines this many times, interleaved (A B C A B C ...), "
+        "and report each one's median round: a machine whose speed drifts then slows every "
+        "pipeline alike",
+    )
     args = parser.parse_args(argv)
     groups = set(args.only.split(","))
     shape_names = args.shapes.split(",")
@@ -672,22 +706,16 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_worker({**base, "kind": "gen_formats"})
                 if res.get("error") or res.get("arrayrecord_error"):
                     log(f"gen_formats: {res}")
-            if "read" in groups:
-                for pipeline in READ_PIPELINES:
-                    add(
-                        "read",
-                        shape_name,
-                        pipeline,
-                        run_worker({**base, "kind": "read", "pipeline": pipeline}),
-                    )
-            if "fit" in groups:
-                for pipeline in FIT_PIPELINES:
-                    add(
-                        "fit",
-                        shape_name,
-                        pipeline,
-                        run_worker({**base, "kind": "fit", "pipeline": pipeline}),
-                    )
+            for group, pipelines in (("read", READ_PIPELINES), ("fit", FIT_PIPELINES)):
+                if group not in groups:
+                    continue
+                runs: dict[str, list[dict[str, Any]]] = {p: [] for p in pipelines}
+                for _ in range(max(1, args.rounds)):
+                    for pipeline in pipelines:
+                        spec = {**base, "kind": group, "pipeline": pipeline}
+                        runs[pipeline].append(run_worker(spec))
+                for pipeline in pipelines:
+                    add(group, shape_name, pipeline, _median_round(runs[pipeline]))
             if not args.keep_data:
                 p = _paths(data, shape_name)
                 for key in ("tutorial", "raw", "arrayrecord", "tfsave", "npsave"):
