@@ -69,7 +69,8 @@ from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
 _UNIT_BYTES = 8 << 20  # what one cutter call gathers: several batches
-_CHUNK_BYTES = 64 << 10  # gather in pieces under malloc's mmap threshold (see `gather`)
+_CHUNK_BYTES = 120 << 10  # gather in pieces under malloc's mmap threshold (see `gather`)
+_ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few units)
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
 _TRUNCATED = "the file ends inside this record (truncated)"
 _PROT_READ = 1
@@ -296,15 +297,17 @@ class MappedPlan:
             if self._region is None:
                 self._region = _Region(self.files, self.shard_bytes)
                 arr = self._region_array = self._region.array
-                # Per feature, a read-only "sliding window": element i is the sample_bytes
-                # bytes at address i, one opaque (void) item, so a gather copies whole
-                # samples rather than single bytes.
+                # Per feature, a read-only "sliding window": row i is the sample_bytes
+                # bytes at address i (a [rows, sample_bytes] uint8 view with strides
+                # (1, 1)), so a fancy index on rows copies whole samples, and NumPy
+                # releases the GIL while it copies (it does not for an opaque void dtype
+                # gathered in small pieces), so the reader threads copy in parallel.
                 self.windows = [
                     np.ndarray(
-                        shape=(max(1, len(arr) - sb + 1),),
-                        dtype=np.dtype((np.void, sb)),
+                        shape=(max(1, len(arr) - sb + 1), sb),
+                        dtype=np.uint8,
                         buffer=arr,
-                        strides=(1,),
+                        strides=(1, 1),
                     )
                     for sb in self.sample_bytes
                 ]
@@ -449,12 +452,12 @@ class MappedPlan:
             step = _CHUNK_BYTES // sb
             if step > 4:
                 # Fancy indexing gathers into a temporary: pieces under malloc's mmap
-                # threshold (128 KB) come from the heap (a fresh mmap per piece would
-                # page-fault on every page) and stay in cache for the copy into `out`.
-                flat = out.view(window.dtype).reshape(-1)
+                # threshold (TensorFlow fixes it at 128 KB) come from the heap (a fresh
+                # mmap per piece would page-fault on every page) and stay in cache for
+                # the copy into `out`.
                 for a in range(0, len(ids), step):
-                    flat[a : a + step] = window[offsets[a : a + step]]
-            else:  # samples of 16 KB and more: one slice copy each, no temporary at all
+                    out[a : a + step] = window[offsets[a : a + step]]
+            else:  # samples of 24 KB and more: one slice copy each, no temporary at all
                 arr = self._region_array
                 for a, at in enumerate(offsets.tolist()):
                     out[a] = arr[at : at + sb]
@@ -480,12 +483,37 @@ class Epoch:
         self._tail: list[np.ndarray] | None = None
         self._closed = False
         self._started = False
+        # The order is computed for several units at once (its cost is mostly per call),
+        # in read-only pieces that the units slice; at most a few pieces are kept.
+        self._group = max(1, _ORDER_ROWS // plan.unit_rows)
+        self._orders: dict[int, Future] = {}
+
+    def _order(self, g: int) -> np.ndarray:
+        """Written sample indices of the stream positions of units ``g * group`` on."""
+        with self._lock:
+            fut = self._orders.get(g)
+            mine = fut is None
+            if fut is None:
+                fut = self._orders[g] = Future()
+                for old in [k for k in self._orders if k < g - 1]:
+                    del self._orders[old]
+        if mine:
+            plan = self.plan
+            lo = self.first_row + g * self._group * plan.unit_rows
+            hi = min(lo + self._group * plan.unit_rows, plan.total_rows)
+            try:
+                ids = plan.order.samples(self.number, lo, hi)
+            except BaseException as e:
+                fut.set_exception(e)
+                raise
+            ids.flags.writeable = False
+            fut.set_result(ids)
+        return fut.result()
 
     def unit(self, i: int) -> list[np.ndarray]:
         plan = self.plan
-        lo = self.first_row + i * plan.unit_rows
-        hi = min(lo + plan.unit_rows, plan.total_rows)
-        ids = plan.order.samples(self.number, lo, hi)
+        g, k = divmod(i, self._group)
+        ids = self._order(g)[k * plan.unit_rows : (k + 1) * plan.unit_rows]
         ids = plan.good_samples(ids, self.number, i)
         return plan.gather(ids)
 

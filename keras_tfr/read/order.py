@@ -38,6 +38,7 @@ _U64 = np.uint64
 _MIX1 = _U64(0xBF58476D1CE4E5B9)
 _MIX2 = _U64(0x94D049BB133111EB)
 _ROUNDS = 6  # alternating halves: three rounds each
+_S29, _S32 = _U64(29), _U64(32)
 
 # Domain tags, so that the split, the shuffle and the in-batch order never share keys.
 _SPLIT, _SHUFFLE = 1, 2
@@ -77,16 +78,26 @@ class Permutation:
         self._keys = _round_keys(key)
 
     def _rounds(self, x: np.ndarray) -> np.ndarray:
+        # In place, on two scratch arrays: the same arithmetic as
+        # ``low ^= mix(high ^ k) & mask`` per round, without a temporary per operation.
         low_bits = self._low
         high, low = x >> low_bits, x & self._low_mask
+        h, t = np.empty_like(x), np.empty_like(x)
         for r, k in enumerate(self._keys):
-            if r % 2 == 0:
-                h = (high ^ k) * _MIX1
-                low = low ^ ((h ^ (h >> _U64(29))) * _MIX2 >> _U64(32)) & self._low_mask
-            else:
-                h = (low ^ k) * _MIX1
-                high = high ^ ((h ^ (h >> _U64(29))) * _MIX2 >> _U64(32)) & self._high_mask
-        return (high << low_bits) | low
+            src, dst, mask = (
+                (high, low, self._low_mask) if r % 2 == 0 else (low, high, self._high_mask)
+            )
+            np.bitwise_xor(src, k, out=h)
+            np.multiply(h, _MIX1, out=h)
+            np.right_shift(h, _S29, out=t)
+            np.bitwise_xor(h, t, out=h)
+            np.multiply(h, _MIX2, out=h)
+            np.right_shift(h, _S32, out=h)
+            np.bitwise_and(h, mask, out=h)
+            np.bitwise_xor(dst, h, out=dst)
+        np.left_shift(high, low_bits, out=high)
+        np.bitwise_or(high, low, out=high)
+        return high
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """The permuted index of each position (``int64``, same shape)."""
