@@ -145,10 +145,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
-        from keras_tfr._compat import keras_errors, keras_shuffle
+        from keras_tfr._compat import keras_errors, keras_numpy, keras_shuffle
 
         keras_errors.install_corrupt_record_errors(corrupt_record_error)
         keras_shuffle.install_shuffle_warning_filter()  # Keras' shuffle warning: wrong for a source
+        keras_numpy.install_numpy_batches()  # JAX/torch fit: NumPy batches without tf.data
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,
@@ -229,7 +230,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         reader, without tf.data in between: the same order, epochs, CRC and layout
         checks and damage handling (`CorruptRecordError`) as iterating the source, at
         the cost of the gather alone. Use it for loops that want NumPy (a custom
-        training loop, JAX, torch). A batch is a view of a buffer the reader recycles
+        training loop, JAX, torch); Keras' JAX and torch backends read a source in
+        sample mode this way in `fit`, `evaluate` and `predict`. A batch is a view of a buffer the reader recycles
         once no batch from it is referenced any more; keep a batch as long as you need.
         In block mode this is `tf.data.Dataset.as_numpy_iterator`.
 
@@ -237,18 +239,21 @@ class TFRecordSequenceSource(tf.data.Dataset):
             >>> for x, y in source.as_numpy_iterator():
             ...     loss = train_step(x, y)  # x: np.ndarray [batch_size, *shape]
         """
-        plan = getattr(self, "_mapped_plan", None)
-        if plan is None or self._decode:
+        if not self._numpy_direct():
             return super().as_numpy_iterator()
         from keras_tfr.read.numpy_iter import NumpyBatches
 
         return NumpyBatches(
-            plan,
+            self._mapped_plan,
             self._clock.take,
             self._structure_fn(),
             self._pad_batches,
             corrupt_record_error,
         )
+
+    def _numpy_direct(self) -> bool:
+        """Whether `as_numpy_iterator` reads straight from the memory-mapped reader."""
+        return getattr(self, "_mapped_plan", None) is not None and not self._decode
 
     def __repr__(self) -> str:
         return (

@@ -80,3 +80,65 @@ def test_fit_evaluate_predict_under_each_backend(learnable, backend):
     assert res["val_acc"] > 0.85
     assert res["pred_rows"] == 1000
     assert res["pred_match"], "predict's rows are not the written samples in order"
+
+
+ADAPTER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import keras
+    from keras.src.trainers.data_adapters import get_data_adapter
+    from keras_tfr import TFRecordSequenceSource
+    from keras_tfr.read import numpy_iter
+
+    pulled = [0]
+    original = numpy_iter.NumpyBatches.__next__
+
+    def counting(self):
+        pulled[0] += 1
+        return original(self)
+
+    numpy_iter.NumpyBatches.__next__ = counting
+    d, xs = sys.argv[1], np.load(sys.argv[2])
+    src = TFRecordSequenceSource(d, batch_size=32, seed=5)
+    adapter = get_data_adapter(src)
+    backend = keras.backend.backend()
+    epochs = []
+    for _ in range(2):  # each call is a new epoch, as Keras makes one per epoch
+        if backend == "torch":
+            batches = [np.asarray(b[0]) for b in adapter.get_torch_dataloader()]
+        else:
+            batches = [np.asarray(b[0]) for b in adapter.get_jax_iterator()]
+        epochs.append(np.concatenate(batches))
+    same = [bool(np.array_equal(epochs[e], xs[src.sample_order(e)])) for e in range(2)]
+    block = TFRecordSequenceSource(d, batch_size=32, seed=5, access="blocks")
+    before = pulled[0]
+    n_block = sum(len(b[0]) for b in get_data_adapter(block).get_numpy_iterator())
+    print(json.dumps({"same": same, "pulled": before, "block_pulled": pulled[0] - before,
+                      "n_block": n_block}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, backend):
+    """Keras' JAX/torch adapters take a sample-mode source's batches from
+    `as_numpy_iterator` (the epoch's sample order, bit for bit, a new epoch per call);
+    a block-mode source still goes through Keras' own tf.data iteration."""
+    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
+    d, xs = learnable
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", ADAPTER_SCRIPT, d, xs],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["same"] == [True, True]
+    assert res["pulled"] >= 2 * 32  # 32 batches of 32 per epoch, through NumpyBatches
+    assert res["block_pulled"] == 0 and res["n_block"] == 1000

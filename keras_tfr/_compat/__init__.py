@@ -150,6 +150,43 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         ("keras_tfr.backup",),
         "keras_tfr._compat.keras_resume",
     ),
+    # --- Keras: JAX/torch read a sample-mode source as NumPy (keras_numpy) ---
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter.get_jax_iterator",
+        "keras",
+        _KERAS,
+        "wrapped: batches of a sample-mode source come from as_numpy_iterator under JAX",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_numpy",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter.get_numpy_iterator",
+        "keras",
+        _KERAS,
+        "wrapped: the same, for Keras' NumPy iteration of a data set",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_numpy",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter.get_torch_dataloader",
+        "keras",
+        _KERAS,
+        "wrapped: the same under torch (a DataLoader over as_numpy_iterator's epochs)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_numpy",
+    ),
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.data_adapter_utils",
+        "get_torch_dataloader",
+        "keras",
+        _KERAS,
+        "wraps an iterable of NumPy batches into the DataLoader Keras' torch trainer expects",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_numpy",
+    ),
     # --- Keras: MultiWorkerMirroredStrategy (keras_dist) ---
     PrivateAPI(
         _TF_TRAINER,
