@@ -216,3 +216,21 @@ def test_block_mode_gives_tf_datas_numpy_batches(sorted_data):
     assert not isinstance(it, NumpyBatches)
     got = np.concatenate([b[0] for b in it])
     _same(got, x)
+
+
+@pytest.mark.parametrize("order_rows", [1, 150, 10_000])
+def test_order_computed_in_groups_of_units_is_the_same_order(sorted_data, monkeypatch, order_rows):
+    """The reader computes each epoch's order for several units at once; whatever the
+    group size, both readers give the epoch's `sample_order`, resumed runs included."""
+    d, x, y, _ = sorted_data
+    monkeypatch.setattr(mapped, "_UNIT_BYTES", 64 * 40 * 4)  # a unit is one batch of 64
+    monkeypatch.setattr(mapped, "_ORDER_ROWS", order_rows)
+    src = TFRecordSequenceSource(d, batch_size=64, seed=9, validation_split=0.1, subset="training")
+    assert src._mapped_plan.unit_rows == 64
+    for e in range(2):
+        got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
+        _same(got, x[src.sample_order(e)])
+    _same(np.concatenate([b[1].numpy() for b in src]), y[src.sample_order(2)])
+    src.set_epoch(5, step=4)
+    got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
+    _same(got, x[src.sample_order(5)[4 * 64 :]])
