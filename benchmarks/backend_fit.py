@@ -1,0 +1,137 @@
+"""`fit` under Keras' JAX or torch backend: keras-tfr against in-memory NumPy, side by side.
+
+Three pipelines, each in its own process (the backend is fixed when Keras is imported),
+run in interleaved rounds, each reporting its fastest epoch after the first:
+
+* ``numpy``: ``model.fit(x, y, batch_size=256, shuffle=True)`` on arrays in RAM;
+* ``keras-tfr``: ``model.fit(source)`` with a sample-mode `TFRecordSequenceSource`, which
+  Keras reads through `as_numpy_iterator` (``keras_tfr/_compat/keras_numpy.py``);
+* ``keras-tfr via tf.data``: the same source with that hook switched off, so Keras
+  iterates the tf.data pipeline eagerly and converts each batch (what it did before).
+
+The model is Flatten + Dense(10) on 28x28x1 float32 samples, batch 256.
+
+Usage::
+
+    python benchmarks/backend_fit.py --backend jax          # or torch
+    python benchmarks/backend_fit.py --backend jax --samples 40000 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SHAPE = (28, 28, 1)
+BATCH = 256
+EPOCHS = 4
+PIPELINES = ["numpy", "keras-tfr", "keras-tfr-tfdata"]
+LABELS = {
+    "numpy": "model.fit(x, y) in-memory NumPy",
+    "keras-tfr": "keras-tfr (as_numpy_iterator)",
+    "keras-tfr-tfdata": "keras-tfr via tf.data (hook off)",
+}
+
+
+def worker(data: str, pipeline: str) -> dict:
+    if pipeline == "keras-tfr-tfdata":
+        from keras_tfr._compat import keras_numpy
+
+        keras_numpy.install_numpy_batches = lambda: False  # Keras' own tf.data iteration
+    import keras
+
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.t0)
+
+    model = keras.Sequential([keras.Input(SHAPE), keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if pipeline == "numpy":
+        x, y = np.load(os.path.join(data, "x.npy")), np.load(os.path.join(data, "y.npy"))
+        n = len(x)
+        model.fit(
+            x, y, batch_size=BATCH, shuffle=True, epochs=EPOCHS, verbose=0, callbacks=[Timer()]
+        )
+    else:
+        from keras_tfr import TFRecordSequenceSource
+
+        src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
+        n = src.num_samples
+        model.fit(src, epochs=EPOCHS, verbose=0, callbacks=[Timer()])
+    return {"examples_per_s": n / min(times[1:]), "backend": keras.backend.backend()}
+
+
+def generate(data: str, samples: int) -> None:
+    from keras_tfr import ArraysToRecords
+
+    x = np.lib.format.open_memmap(
+        os.path.join(data, "x.npy"), mode="w+", dtype=np.float32, shape=(samples, *SHAPE)
+    )
+    y = np.lib.format.open_memmap(
+        os.path.join(data, "y.npy"), mode="w+", dtype=np.int32, shape=(samples,)
+    )
+    rng = np.random.default_rng(0)
+    for i in range(0, samples, 8192):
+        j = min(samples, i + 8192)
+        x[i:j] = rng.random((j - i, *SHAPE), dtype=np.float32)
+        y[i:j] = rng.integers(0, 10, j - i, dtype=np.int32)
+    x.flush()
+    y.flush()
+    ArraysToRecords.from_arrays(x, y, os.path.join(data, "ktfr"), verbose=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="jax", choices=["jax", "torch", "tensorflow"])
+    ap.add_argument("--samples", type=int, default=160_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="keras-tfr-backend-fit-") as data:
+        generate(data, args.samples)
+        env = {**os.environ, "KERAS_BACKEND": args.backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        rates: dict[str, list[float]] = {p: [] for p in PIPELINES}
+        for _ in range(args.rounds):
+            for p in PIPELINES:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--_worker", data, p],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                )
+                if out.returncode != 0:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    return 1
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                assert res["backend"] == args.backend, res
+                rates[p].append(res["examples_per_s"])
+    ours = statistics.median(rates["keras-tfr"])
+    print(
+        f"fit under {args.backend}, {args.samples} x {SHAPE} float32, batch {BATCH}, "
+        f"median of {args.rounds} interleaved rounds"
+    )
+    print(f"{'pipeline':36s} {'examples/s':>12s} {'keras-tfr / this':>18s}")
+    for p in PIPELINES:
+        rate = statistics.median(rates[p])
+        print(f"{LABELS[p]:36s} {rate:12,.0f} {ours / rate:17.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
+        print(json.dumps(worker(sys.argv[2], sys.argv[3])))
+    else:
+        sys.exit(main())
