@@ -12,7 +12,7 @@ This module only turns options into a plan and a plan into a pipeline; the parts
 * `keras_tfr.read.order`: which samples an epoch reads, in which order (split, shares,
   shuffle), as a pure function of the seed and the epoch number;
 * `keras_tfr.read.mapped`: sample mode's reader (memory-mapped shards, CRC-32C checked
-  in place, one copy per byte);
+  in place, gathered straight from the page cache);
 * `keras_tfr.read.graph`: block mode's reader (tf.data's `TFRecordDataset`, for remote,
   compressed or variable-length data and the tf.data service).
 """

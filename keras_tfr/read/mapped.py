@@ -1,11 +1,12 @@
-"""The memory-mapped reader: sample-level random access, one copy per byte.
+"""The memory-mapped reader: sample-level random access, straight from the page cache.
 
 Used for ``access="samples"`` (the default for uncompressed data sets of fixed-size
 features on a local file system). Why: every full record of a data set has the same
 layout, so sample ``j`` of record ``r`` sits at a known byte offset. With the shards
 mapped read-only, a batch is one NumPy gather straight from the page cache into the
-buffer TensorFlow adopts: one copy per byte, as a memory-mapped ``.npy`` gathered by
-index would make, plus what an array lacks (the CRC check, the layout check).
+buffer TensorFlow adopts, as a memory-mapped ``.npy`` gathered by index would make it
+(samples under 24 KB pass through a cache-sized temporary, see `MappedPlan.gather`),
+plus what an array lacks (the CRC check, the layout check).
 
 How:
 

@@ -4,7 +4,7 @@
 wants NumPy (a custom training loop, the JAX and torch Keras backends) would otherwise
 pull each batch out of tf.data as a tensor and convert it back: about 130 µs of CPU per
 batch on top of the gather, a third of what the whole gather of a 256 x 3 KB batch costs.
-Here a batch is a view of the unit the reader threads gathered (one copy per byte, from
+Here a batch is a view of the unit the reader threads gathered (copied from
 the page cache), with the same order, the same checks (every record's CRC and layout
 before any of its samples is handed out) and the same epochs as the tf.data pipeline.
 """
