@@ -326,3 +326,48 @@ def test_replace_directory_reads_the_other_data_set(data, tmp_path, access):
     assert sorted(_epoch(moved).tolist()) == list(range(5000, 5030))
     assert repr(other) in repr(moved)
     assert src.replace(batch_size=20).manifest is src.manifest  # same data: no re-read
+
+
+_MALLOC_SCRIPT = """
+import resource, sys
+import numpy as np
+from keras_tfr import TFRecordSequenceSource
+
+def faults():
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(200):
+        a = np.ones(1 << 18)  # 2 MB, freed at once: heap memory is reused
+        del a
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+faults()
+src = TFRecordSequenceSource(sys.argv[1], batch_size=16, seed=0)
+assert src.access == "samples"
+after_build = faults()
+sum(len(b[0]) for b in src)
+print(after_build, faults())
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_sample_mode_source_leaves_malloc_reusing_memory(tmp_path):
+    """Building and reading a sample-mode source leaves glibc's mmap threshold dynamic:
+    built at the top level, TensorFlow's generator data set fixes it at 128 KB for the
+    whole process, and then every 2 MB array costs 512 fresh page faults."""
+    import subprocess
+
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(np.zeros((100, 4), np.float32), d, verbose=0)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", _MALLOC_SCRIPT, d],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    after_build, after_read = (int(v) for v in out.stdout.split()[-2:])
+    fixed = 200 * 512  # what a fixed 128 KB threshold costs
+    assert after_build < fixed // 10 and after_read < fixed // 10, (after_build, after_read)

@@ -726,13 +726,19 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
         outs = tf.numpy_function(next_block, [eid], [tf.uint8] * n_specs, stateful=True)
         return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
 
+    def generator(_unused: Any) -> Any:
+        return _GeneratorDataset(
+            np.int64(0),
+            lambda d: tf.numpy_function(init, [d], tf.int64, stateful=True),
+            cut,
+            lambda e: tf.numpy_function(finalize, [e], tf.int64, stateful=True),
+            spec,
+        )
+
     # One Python call per unit (about 8 MB): blocks of batches, which the caller decodes
     # and cuts with `from_tensor_slices` (TensorFlow aliases aligned slices of the adopted
-    # buffer instead of copying them).
-    return _GeneratorDataset(
-        np.int64(0),
-        lambda d: tf.numpy_function(init, [d], tf.int64, stateful=True),
-        cut,
-        lambda e: tf.numpy_function(finalize, [e], tf.int64, stateful=True),
-        spec,
-    )
+    # buffer instead of copying them). The generator data set is made inside a `flat_map`
+    # (as `from_generator` makes its own): built at the top level, TensorFlow 2.21 fixes
+    # malloc's mmap threshold at 128 KB for the whole process, and every later allocation
+    # of that size or more (the model's included, under any Keras backend) page-faults.
+    return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(generator)
