@@ -453,9 +453,10 @@ class MappedPlan:
             step = _CHUNK_BYTES // sb
             if step > 4:
                 # Fancy indexing gathers into a temporary: pieces under malloc's mmap
-                # threshold (TensorFlow fixes it at 128 KB) come from the heap (a fresh
-                # mmap per piece would page-fault on every page) and stay in cache for
-                # the copy into `out`.
+                # threshold (128 KB at least; fixed there in a process where TensorFlow
+                # built a generator data set at the top level) come from the heap (a
+                # fresh mmap per piece would page-fault on every page) and stay in cache
+                # for the copy into `out`.
                 for a in range(0, len(ids), step):
                     out[a : a + step] = window[offsets[a : a + step]]
             else:  # samples of 24 KB and more: one slice copy each, no temporary at all
