@@ -97,7 +97,9 @@ def install_numpy_batches() -> bool:
                 source = numpy_batches_of(getattr(self, "_dataset", None))
                 if source is None:
                     return original(self)
-                return _lazy(source)
+                # Lazy, as Keras' own generators are: no epoch is taken before the
+                # first batch is pulled.
+                return source.as_numpy_iterator()
 
             setattr(method, _MARK, True)
             return method
@@ -114,9 +116,3 @@ def install_numpy_batches() -> bool:
         cls.get_numpy_iterator = wrap_iterator(originals["get_numpy_iterator"])
         cls.get_torch_dataloader = get_torch_dataloader
         return True
-
-
-def _lazy(source: Any) -> Iterator[Any]:
-    # A generator, as Keras' own methods are: nothing is read (and no epoch is taken)
-    # until the first batch is asked for.
-    yield from source.as_numpy_iterator()
