@@ -231,9 +231,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         checks and damage handling (`CorruptRecordError`) as iterating the source, at
         the cost of the gather alone. Use it for loops that want NumPy (a custom
         training loop, JAX, torch); Keras' JAX and torch backends read a source in
-        sample mode this way in `fit`, `evaluate` and `predict`. A batch is a view of a
-        buffer the reader recycles once no batch from it is referenced any more; keep a
-        batch as long as you need.
+        sample mode this way in `fit`, `evaluate` and `predict`. Each batch is a new
+        array per feature, copied once from the page cache; keep it as long as you need.
         In block mode this is `tf.data.Dataset.as_numpy_iterator`.
 
         Example:

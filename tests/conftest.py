@@ -40,3 +40,25 @@ def reader(request, monkeypatch):
     reader of block mode (`keras_tfr.read.graph`)."""
     monkeypatch.setenv("KERAS_TFR_READER", request.param)
     return request.param
+
+
+@pytest.fixture
+def run_script():
+    """Runs ``python -c script *args`` in a new process (TensorFlow's logs off); fails the
+    test with the child's stderr if it fails, else returns its stdout."""
+    import subprocess
+    import sys
+
+    def run(script: str, *args: str, timeout: float = 300) -> str:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    return run

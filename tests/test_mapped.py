@@ -351,23 +351,12 @@ print(after_build, faults())
 
 @pytest.mark.subprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
-def test_a_sample_mode_source_leaves_malloc_reusing_memory(tmp_path):
+def test_a_sample_mode_source_leaves_malloc_reusing_memory(tmp_path, run_script):
     """Building and reading a sample-mode source leaves glibc's mmap threshold dynamic:
     built at the top level, TensorFlow's generator data set fixes it at 128 KB for the
     whole process, and then every 2 MB array costs 512 fresh page faults."""
-    import subprocess
-
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(np.zeros((100, 4), np.float32), d, verbose=0)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", _MALLOC_SCRIPT, d],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    after_build, after_read = (int(v) for v in out.stdout.split()[-2:])
+    after_build, after_read = (int(v) for v in run_script(_MALLOC_SCRIPT, d).split()[-2:])
     fixed = 200 * 512  # what a fixed 128 KB threshold costs
     assert after_build < fixed // 10 and after_read < fixed // 10, (after_build, after_read)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 
 import numpy as np
@@ -234,3 +235,35 @@ def test_order_computed_in_groups_of_units_is_the_same_order(sorted_data, monkey
     src.set_epoch(5, step=4)
     got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
     _same(got, x[src.sample_order(5)[4 * 64 :]])
+
+
+_HEAP_SCRIPT = """
+import resource, sys
+from keras_tfr import TFRecordSequenceSource
+
+src = TFRecordSequenceSource(sys.argv[1], batch_size=256, seed=0)
+assert src.access == "samples"
+faults = []
+for _ in range(4):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for x, y in src.as_numpy_iterator():
+        x.sum()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(*faults)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_numpy_batches_reuse_freed_memory(tmp_path, run_script):
+    """Every NumPy batch is a new array (800 KB here); once epochs are warm, they come
+    from memory freed by earlier batches, not from fresh pages. Without the heap set-up
+    (`numpy_iter._reuse_freed_batches`) glibc trimmed or unmapped most freed batches:
+    2,000 to 4,600 page faults per epoch against under 10."""
+    n = 8192
+    d = str(tmp_path / "ds")
+    x = np.random.default_rng(0).random((n, 28, 28, 1), dtype=np.float32)
+    ArraysToRecords.from_arrays(x, np.arange(n, dtype=np.int32) % 10, d, verbose=0)
+    faults = [int(v) for v in run_script(_HEAP_SCRIPT, d).split()[-4:]]
+    batch_pages = (n // 256) * (256 * 28 * 28 * 4 // 4096)  # pages of one epoch's x
+    assert min(faults[2:]) < batch_pages // 10, faults

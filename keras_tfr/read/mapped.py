@@ -433,30 +433,38 @@ class MappedPlan:
             "unreadable. Run `keras-tfr verify` on the data set"
         )
 
-    def gather(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Rows of ``ids`` (checked, written sample indices), per feature, in an aligned
-        buffer that TensorFlow adopts without a copy."""
+    def offsets(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Per feature, the address in the region of each sample of ``ids``."""
         self.region()
         assert self._record_base is not None
         records, j = np.divmod(ids, self.spr)
         base = self._record_base[records]
+        is_short = None
         if self.short is not None:
             is_short = records == self.total_records - 1
+            if not is_short.any():
+                is_short = None
         outs = []
-        for f, (sb, window, buffers) in enumerate(
-            zip(self.sample_bytes, self.windows, self.buffers)
-        ):
-            offsets = base + self.full.feature_offsets[f] + j * sb
-            if self.short is not None and is_short.any():
+        for f, sb in enumerate(self.sample_bytes):
+            offsets = base + (self.full.feature_offsets[f] + j * sb)
+            if is_short is not None:
+                assert self.short is not None
                 offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
+            outs.append(offsets)
+        return outs
+
+    def gather(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Rows of ``ids`` (checked, written sample indices), per feature, in an aligned
+        buffer that TensorFlow adopts without a copy."""
+        outs = []
+        for offsets, sb, window, buffers in zip(
+            self.offsets(ids), self.sample_bytes, self.windows, self.buffers
+        ):
             out = buffers.take(len(ids))
             step = _CHUNK_BYTES // sb
             if step > 4:
-                # Fancy indexing gathers into a temporary: pieces under malloc's mmap
-                # threshold (128 KB at least; fixed there in a process where TensorFlow
-                # built a generator data set at the top level) come from the heap (a
-                # fresh mmap per piece would page-fault on every page) and stay in cache
-                # for the copy into `out`.
+                # Fancy indexing gathers into a temporary: pieces of about 120 KB stay in
+                # cache for the copy into the aligned `out`.
                 for a in range(0, len(ids), step):
                     out[a : a + step] = window[offsets[a : a + step]]
             else:  # samples of 24 KB and more: one slice copy each, no temporary at all
@@ -466,6 +474,17 @@ class MappedPlan:
             outs.append(out)
         return outs
 
+    def gather_batches(self, ids: np.ndarray) -> list[list[np.ndarray]]:
+        """Rows of ``ids`` cut in batches: per batch, per feature, a new ``[rows,
+        sample_bytes]`` uint8 array, copied once from the page cache (what a NumPy
+        consumer gets: no alignment needed, so no second copy)."""
+        offsets = self.offsets(ids)
+        b = self.batch_size
+        return [
+            [window[o[a : a + b]] for o, window in zip(offsets, self.windows)]
+            for a in range(0, len(ids), b)
+        ]
+
 
 # --------------------------------------------------------------------------- epochs
 
@@ -473,9 +492,12 @@ class MappedPlan:
 class Epoch:
     """One iterator over the source: epoch ``number`` from batch ``start_batch`` on."""
 
-    def __init__(self, plan: MappedPlan, number: int, start_batch: int = 0):
+    def __init__(self, plan: MappedPlan, number: int, start_batch: int = 0, batches: bool = False):
         self.plan = plan
         self.number = number
+        # ``batches``: units come as lists of batches of new arrays (`gather_batches`,
+        # for NumPy consumers), else as aligned recycled buffers (`gather`, for tf.data).
+        self._gather = plan.gather_batches if batches else plan.gather
         self.first_row = min(plan.total_rows, start_batch * plan.batch_size)
         self.num_units = -(-(plan.total_rows - self.first_row) // plan.unit_rows)
         self._pool = _DaemonPool(plan.readers, "keras_tfr_read")
@@ -512,19 +534,19 @@ class Epoch:
             fut.set_result(ids)
         return fut.result()
 
-    def unit(self, i: int) -> list[np.ndarray]:
+    def unit(self, i: int) -> Any:
         plan = self.plan
         g, k = divmod(i, self._group)
         ids = self._order(g)[k * plan.unit_rows : (k + 1) * plan.unit_rows]
         ids = plan.good_samples(ids, self.number, i)
-        return plan.gather(ids)
+        return self._gather(ids)
 
     def _submit(self, k: int) -> None:
         for q in range(k, min(k + 1 + self.plan.readers, self.num_units)):
             if q not in self._units:
                 self._units[q] = self._pool.submit(self.unit, q)
 
-    def next_unit(self) -> list[np.ndarray]:
+    def next_unit(self) -> Any:
         if not self._started:
             self._started = True
             self.plan.begin_epoch()
