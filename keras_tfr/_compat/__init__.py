@@ -217,15 +217,6 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
     ),
     # --- TensorFlow (tf) ---
     PrivateAPI(
-        "tensorflow.python.data.ops.from_generator_op",
-        "_GeneratorDataset",
-        "tensorflow",
-        _TF,
-        "a dataset of init/next/finalize Python functions with per-iterator state",
-        ("keras_tfr.read.mapped",),
-        "keras_tfr._compat.tf",
-    ),
-    PrivateAPI(
         "tensorflow.python.data.ops.iterator_ops",
         "OwnedIterator",
         "tensorflow",

@@ -5,9 +5,6 @@ versions it was verified on) and resolved by `keras_tfr._compat.check_all`, so t
 ``tests/test_compat.py`` names the API when a TensorFlow release moves it. Nothing is
 imported until an accessor runs: importing this module does not load TensorFlow.
 
-* ``tensorflow.python.data.ops.from_generator_op._GeneratorDataset``: a dataset from
-  three Python functions (init, next, finalize) with a per-iterator state; the mapped
-  reader (`keras_tfr.read.mapped`) keeps one epoch's state per iterator with it.
 * ``tensorflow.python.data.ops.iterator_ops.OwnedIterator``: the eager iterator of a
   `tf.data.Dataset`; the source subclasses it to convert damaged-data errors.
 * ``tensorflow.python.eager.context.context()._seed``: the global seed that
@@ -25,19 +22,11 @@ if TYPE_CHECKING:  # for annotations only: TensorFlow loads when an accessor run
 
 __all__ = [
     "OwnedIterator",
-    "generator_dataset",
     "get_global_seed",
     "owned_iterator",
     "random_record_reader",
     "set_global_seed",
 ]
-
-
-def generator_dataset() -> Any:
-    """TensorFlow's private ``_GeneratorDataset`` class (ImportError when it moved)."""
-    from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
-
-    return _GeneratorDataset
 
 
 def owned_iterator() -> type[OwnedIterator]:

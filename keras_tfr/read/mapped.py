@@ -16,8 +16,8 @@ How:
   "sliding window" view (a row per byte offset, ``sample_bytes`` wide).
 * **Order.** `keras_tfr.read.order.SampleOrder` says which written samples each stream
   position of an epoch holds (split, worker share, seeded shuffle); the reader only
-  follows it. Unit ``i`` covers whole batches; cutter threads cut the next units while
-  TensorFlow consumes the current one.
+  follows it. Unit ``i`` covers whole batches (about 8 MB); the next units are gathered
+  while the current one is consumed.
 * **Checks.** Before a sample of record ``r`` is handed out, record ``r`` has passed its
   checks: it lies inside the file, its length field and the length's CRC are what the
   layout says, the CRC-32C of its data matches (hardware CRC over the mapped bytes, in
@@ -31,11 +31,14 @@ How:
   samples of the same share, drawn at random (seeded), so the epoch keeps its step
   count; draws are bounded, so a data set whose records are all damaged ends with an
   error instead of looping.
-* **Hand-off.** Units are gathered into recycled 64-byte-aligned buffers, which
-  TensorFlow adopts without a copy; a buffer is reused once nothing refers to it any
-  more (a weak-reference finalizer on the array handed out, not a reference count).
-  Each iterator (Keras makes one per epoch) owns its threads and releases them when it
-  ends or is dropped; nothing is read ahead past an iterator.
+* **Hand-off to tf.data** (`dataset`). Each unit is one Python call in a parallel
+  ``map`` (``readers`` at a time, in TensorFlow's threads), gathered into recycled
+  64-byte-aligned buffers that TensorFlow adopts without a copy; a buffer is reused once
+  nothing refers to it any more (a weak-reference finalizer on the array handed out, not
+  a reference count). Nothing is read ahead past an iterator.
+* **Hand-off to NumPy** (`keras_tfr.read.numpy_iter`). Each batch is a new array per
+  feature, copied once (`MappedPlan.gather_batches`); each iterator owns ``readers``
+  threads and releases them when it ends or is dropped.
 * **Memory maps and truncation.** A shard replaced on disk (written anew and renamed
   over, as keras-tfr's writer does) keeps its old mapping until the next epoch starts,
   where the change is found and the shard is mapped again and checked again. A shard
@@ -49,12 +52,12 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import itertools
 import mmap
 import os
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -63,16 +66,16 @@ from typing import Any
 import numpy as np
 
 from keras_tfr import _crc
-from keras_tfr._compat import tf as compat_tf
 from keras_tfr.format import framing
 from keras_tfr.read.order import SampleOrder
 from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
-_UNIT_BYTES = 8 << 20  # what one cutter call gathers: several batches
+_UNIT_BYTES = 8 << 20  # what one unit holds: several batches
 _CHUNK_BYTES = 120 << 10  # gather in pieces under malloc's mmap threshold (see `gather`)
 _ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few units)
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
+_EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
 _TRUNCATED = "the file ends inside this record (truncated)"
 _PROT_READ = 1
 _MAP_FIXED = 0x10  # the same value on Linux and macOS
@@ -81,10 +84,6 @@ _MAP_FIXED = 0x10  # the same value on Linux and macOS
 def available() -> bool:
     """Whether this platform can map shards into one address range."""
     if sys.platform not in ("linux", "darwin"):
-        return False
-    try:
-        compat_tf.generator_dataset()
-    except ImportError:  # pragma: no cover
         return False
     return _libc() is not None
 
@@ -168,6 +167,10 @@ class _Region:
             raise OSError(err, f"keras-tfr: cannot reserve {self.total} bytes of addresses")
         self.base = int(base)
         self._closer = weakref.finalize(self, libc.munmap, self.base, self.total)
+        # Not at interpreter exit (the process's end unmaps it anyway): an iterator still
+        # open then has TensorFlow's threads copying from the range while Python shuts
+        # down, and unmapping it under them crashed the process (SIGSEGV).
+        self._closer.atexit = False
         self.sizes = np.zeros(len(files), dtype=np.int64)  # bytes mapped of each file
         self.signatures: list[tuple[int, int, int] | None] = [None] * len(files)
         for k in range(len(files)):
@@ -290,6 +293,9 @@ class MappedPlan:
         self._check_lock = threading.Condition()
         self.buffers = [_Buffers(self.unit_rows, sb) for sb in self.sample_bytes]
         self.windows: list[np.ndarray] = []
+        # The tf.data iterators' epochs, by (epoch, first batch), most recent last.
+        self._epochs: dict[tuple[int, int], Epoch] = {}
+        self._epochs_lock = threading.Lock()
 
     # ---------------------------------------------------------------- mapping
 
@@ -327,6 +333,28 @@ class MappedPlan:
                 self.state[self.shard_of == k] = 0
             if self.verify == "every_epoch":
                 self.state[self.state == 1] = 0
+
+    def epoch(self, number: int, start_batch: int) -> Epoch:
+        """The `Epoch` that tf.data's units of epoch ``number`` come from.
+
+        Units are pure functions of ``(epoch, first batch, unit)``; the `Epoch` object
+        only caches the order. A few are kept (an iterator dropped mid-epoch leaves its
+        own behind until newer ones push it out); one pushed out while still read is made
+        again, with the same order.
+        """
+        key = (int(number), int(start_batch))
+        with self._epochs_lock:
+            epoch = self._epochs.pop(key, None) or Epoch(self, *key)
+            self._epochs[key] = epoch
+            while len(self._epochs) > _EPOCHS_KEPT:
+                del self._epochs[next(iter(self._epochs))]
+            return epoch
+
+    def forget(self, epoch: Epoch) -> None:
+        with self._epochs_lock:
+            key = (epoch.number, epoch.start_batch)
+            if self._epochs.get(key) is epoch:
+                del self._epochs[key]
 
     def locate(self, record: int) -> tuple[str, int, int, int]:
         """``(path, byte offset, index in shard, records in shard)`` of a record."""
@@ -498,13 +526,20 @@ class Epoch:
         # ``batches``: units come as lists of batches of new arrays (`gather_batches`,
         # for NumPy consumers), else as aligned recycled buffers (`gather`, for tf.data).
         self._gather = plan.gather_batches if batches else plan.gather
+        self.start_batch = start_batch
         self.first_row = min(plan.total_rows, start_batch * plan.batch_size)
-        self.num_units = -(-(plan.total_rows - self.first_row) // plan.unit_rows)
+        # Units of ``unit_rows`` rows (whole batches); the rows after the last whole unit
+        # are cut in two units, their whole batches and then the partial batch, so that
+        # every unit is a block of equal batches.
+        rows = plan.total_rows - self.first_row
+        self._whole_units, rest = divmod(rows, plan.unit_rows)
+        self._rest = [r for r in (rest - rest % plan.batch_size, rest % plan.batch_size) if r]
+        self.num_units = self._whole_units + len(self._rest)
+        self._done = 0  # units handed to tf.data (`block`)
         self._pool = _DaemonPool(plan.readers, "keras_tfr_read")
         self._lock = threading.Lock()
         self._units: dict[int, Future] = {}
         self._next_unit = 0
-        self._tail: list[np.ndarray] | None = None
         self._closed = False
         self._started = False
         # The order is computed for several units at once (its cost is mostly per call),
@@ -534,12 +569,34 @@ class Epoch:
             fut.set_result(ids)
         return fut.result()
 
+    def span(self, i: int) -> tuple[int, int]:
+        """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""
+        u = self.plan.unit_rows
+        if i < self._whole_units:
+            return i * u, (i + 1) * u
+        lo = self._whole_units * u + sum(self._rest[: i - self._whole_units])
+        return lo, lo + self._rest[i - self._whole_units]
+
     def unit(self, i: int) -> Any:
-        plan = self.plan
-        g, k = divmod(i, self._group)
-        ids = self._order(g)[k * plan.unit_rows : (k + 1) * plan.unit_rows]
-        ids = plan.good_samples(ids, self.number, i)
+        lo, hi = self.span(i)
+        g = lo // (self._group * self.plan.unit_rows)
+        base = g * self._group * self.plan.unit_rows
+        ids = self._order(g)[lo - base : hi - base]
+        ids = self.plan.good_samples(ids, self.number, i)
         return self._gather(ids)
+
+    def block(self, i: int) -> list[np.ndarray]:
+        """Unit ``i`` as ``[batches, rows, sample_bytes]`` per feature (views of the
+        aligned buffers, no copy), for tf.data; the plan forgets this epoch once every
+        unit has been handed out."""
+        unit = self.unit(i)
+        rows = min(len(unit[0]), self.plan.batch_size)
+        with self._lock:
+            self._done += 1
+            last = self._done == self.num_units
+        if last:
+            self.plan.forget(self)
+        return [u.reshape(-1, rows, u.shape[1]) for u in unit]
 
     def _submit(self, k: int) -> None:
         for q in range(k, min(k + 1 + self.plan.readers, self.num_units)):
@@ -560,24 +617,6 @@ class Epoch:
             self._submit(k)
             fut = self._units.pop(k)
         return fut.result()
-
-    def next_block(self) -> list[np.ndarray]:
-        """The next block of batches, ``[batches, rows, sample_bytes]`` per feature: a whole
-        unit (no copy), and a unit's last, partial batch on its own."""
-        if self._tail is not None:
-            block, self._tail = self._tail, None
-            return block
-        unit = self.next_unit()
-        b = self.plan.batch_size
-        rows = len(unit[0])
-        full = rows - rows % b
-        if full == rows:
-            return [u.reshape(-1, b, u.shape[1]) for u in unit]
-        tail = [u[full:].reshape(1, rows - full, u.shape[1]) for u in unit]
-        if full == 0:
-            return tail
-        self._tail = tail
-        return [u[:full].reshape(-1, b, u.shape[1]) for u in unit]
 
     def close(self) -> None:
         with self._lock:
@@ -683,85 +722,107 @@ class _Buffers:
 # --------------------------------------------------------------------------- tf.data
 
 
-_registry: dict[int, Epoch] = {}
-_registry_lock = threading.Lock()
-_ids = itertools.count(1)
-_at_exit: list[bool] = []
+class _QuietAtExit:
+    """Stops TensorFlow's threads calling into Python before the interpreter exits.
 
-
-def _release_at_exit() -> None:
-    """Once per process: collect dropped iterators while Python still runs at exit.
-
-    An iterator dropped after an error can be kept alive by a reference cycle through
-    the error's traceback until the cyclic collector runs. Left to the interpreter's
-    own shutdown, TensorFlow would then call the generator's Python finalizer from a
-    thread that can no longer take the GIL, and the process would hang at exit.
+    With an iterator still open at the end of the program (``next(iter(source))`` in a
+    script, say), TensorFlow's threads keep calling into Python to gather units. When
+    the interpreter then destroys the iterator, TensorFlow waits for the calls in
+    flight, which wait for the GIL the interpreter holds: the process hung at exit.
+    At exit (`atexit`, while Python still runs) every new call fails at once, so the
+    pipeline's buffers fill up with errors nobody reads and its threads go idle; this
+    waits, at most 2 s, until no call has run for 50 ms.
     """
-    if not _at_exit:
-        _at_exit.append(True)
-        atexit.register(_collect_iterators)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._last = 0.0
+        self._exiting = False
+        self._installed = False
+
+    def install(self) -> None:
+        with self._lock:
+            if not self._installed:
+                self._installed = True
+                atexit.register(self.drain)
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._exiting:
+                raise RuntimeError("keras-tfr: the program is exiting")
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            self._last = time.monotonic()
+
+    def drain(self, quiet: float = 0.05, limit: float = 2.0) -> bool:
+        """Refuses new calls and waits until none has run for ``quiet`` seconds."""
+        with self._lock:
+            self._exiting = True
+            self._last = time.monotonic()
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._running == 0 and time.monotonic() - self._last >= quiet:
+                    return True
+            time.sleep(0.01)
+        return False
 
 
-def _collect_iterators() -> None:
-    import gc
-
-    gc.collect()
-    with _registry_lock:
-        epochs = list(_registry.values())
-        _registry.clear()
-    for epoch in epochs:
-        epoch.close()
+_quiet_at_exit = _QuietAtExit()
 
 
 def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     """A `tf.data.Dataset` of blocks of batches: a tuple of uint8
     ``[batches, rows, sample_bytes]`` tensors, one per spec (in ``plan.specs`` order).
-    ``next_epoch()`` gives each new iterator its ``(epoch, first batch)``."""
+    ``next_epoch()`` gives each new iterator its ``(epoch, first batch)``.
+
+    Each iterator asks for its epoch when its first element is pulled (inside a
+    `flat_map`, so an iterator made and dropped unread takes none), then maps the unit
+    numbers ``0 .. units - 1`` through one Python call each (about 8 MB), ``readers`` of
+    them at a time in TensorFlow's threads, in order. No thread of keras-tfr's own and no
+    generator data set: TensorFlow's generator kernel costs twice as much per call, and
+    creating one fixes malloc's mmap threshold for the whole process (docs/benchmarks.md).
+    The buffers are 64-byte aligned, so TensorFlow adopts them without a copy.
+    """
     import tensorflow as tf
 
-    _GeneratorDataset = compat_tf.generator_dataset()
-
-    def init(_unused: Any) -> np.int64:
-        _release_at_exit()
-        number, start = next_epoch()
-        eid = next(_ids)
-        with _registry_lock:
-            _registry[eid] = Epoch(plan, number, start)
-        return np.int64(eid)
-
-    def next_block(eid: Any) -> list[np.ndarray]:
-        epoch = _registry.get(int(eid))
-        if epoch is None:  # pragma: no cover - the iterator is gone
-            raise StopIteration
-        return epoch.next_block()
-
-    def finalize(eid: Any) -> np.int64:
-        with _registry_lock:
-            epoch = _registry.pop(int(eid), None)
-        if epoch is not None:
-            epoch.close()
-        return np.int64(0)
-
     n_specs = len(plan.specs)
-    spec = tuple(tf.TensorSpec([None, None, sb], tf.uint8) for sb in plan.sample_bytes)
+    shapes = [tf.TensorShape([None, None, sb]) for sb in plan.sample_bytes]
 
-    def cut(eid: Any) -> tuple:
-        outs = tf.numpy_function(next_block, [eid], [tf.uint8] * n_specs, stateful=True)
-        return tuple(tf.ensure_shape(o, s.shape) for o, s in zip(outs, spec))
+    _quiet_at_exit.install()
 
-    def generator(_unused: Any) -> Any:
-        return _GeneratorDataset(
-            np.int64(0),
-            lambda d: tf.numpy_function(init, [d], tf.int64, stateful=True),
-            cut,
-            lambda e: tf.numpy_function(finalize, [e], tf.int64, stateful=True),
-            spec,
+    def start(_unused: Any) -> np.ndarray:
+        _quiet_at_exit.enter()
+        try:
+            number, start_batch = next_epoch()
+            plan.begin_epoch()
+            units = plan.epoch(number, start_batch).num_units
+            return np.array([number, start_batch, units], dtype=np.int64)
+        finally:
+            _quiet_at_exit.leave()
+
+    def block(info: np.ndarray, i: Any) -> list[np.ndarray]:
+        _quiet_at_exit.enter()
+        try:
+            return plan.epoch(int(info[0]), int(info[1])).block(int(i))
+        finally:
+            _quiet_at_exit.leave()
+
+    def one(info: Any, i: Any) -> tuple:
+        outs = tf.numpy_function(block, [info, i], [tf.uint8] * n_specs, stateful=True)
+        return tuple(tf.ensure_shape(o, s) for o, s in zip(outs, shapes))
+
+    def iterator(unused: Any) -> tf.data.Dataset:
+        info = tf.numpy_function(start, [unused], tf.int64, stateful=True)
+        info = tf.ensure_shape(info, [3])
+        return tf.data.Dataset.range(info[2]).map(
+            lambda i: one(info, i), num_parallel_calls=plan.readers, deterministic=True
         )
 
-    # One Python call per unit (about 8 MB): blocks of batches, which the caller decodes
-    # and cuts with `from_tensor_slices` (TensorFlow aliases aligned slices of the adopted
-    # buffer instead of copying them). The generator data set is made inside a `flat_map`
-    # (as `from_generator` makes its own): built at the top level, TensorFlow 2.21 fixes
-    # malloc's mmap threshold at 128 KB for the whole process, and every later allocation
-    # of that size or more (the model's included, under any Keras backend) page-faults.
-    return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(generator)
+    # Decoding and cutting into batches are the caller's (once per block; TensorFlow
+    # aliases aligned slices of the adopted buffer instead of copying them).
+    return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(iterator)

@@ -1,0 +1,54 @@
+"""Split and mixing on class-sorted data, sample mode against block mode.
+
+10 classes x 6,000 samples of 256 float32, sorted by class (as arrays built class by
+class are), written with default settings; ``validation_split=0.1``, batch 256. Prints,
+per mode, the validation subset's size and class shares, and the share of full training
+batches in which one class holds more than 20 % of the batch (a global shuffle gives
+about 0 %). `tests/test_split_shuffle.py` asserts the targets.
+
+Usage::
+
+    python benchmarks/split_mix.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+CLASSES, PER_CLASS, FEATURES, BATCH, SPLIT = 10, 6000, 256, 256, 0.1
+
+
+def main() -> int:
+    from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+
+    with tempfile.TemporaryDirectory(prefix="keras-tfr-split-") as tmp:
+        d = os.path.join(tmp, "ds")
+        y = np.repeat(np.arange(CLASSES, dtype=np.int32), PER_CLASS)
+        x = y.astype(np.float32)[:, None] * np.ones(FEATURES, np.float32)
+        ArraysToRecords.from_arrays(x, y, d, verbose=0)
+        for access in ("samples", "blocks"):
+            kw = dict(batch_size=BATCH, seed=0, validation_split=SPLIT, access=access)
+            va = TFRecordSequenceSource(d, subset="validation", shuffle=False, **kw)
+            tr = TFRecordSequenceSource(d, subset="training", **kw)
+            yva = np.concatenate([b[1] for b in va.as_numpy_iterator()])
+            shares = np.bincount(yva, minlength=CLASSES) / len(yva)
+            full = [b[1] for b in tr.as_numpy_iterator() if len(b[1]) == BATCH]
+            skewed = np.mean([np.bincount(b, minlength=CLASSES).max() / BATCH > 0.2 for b in full])
+            print(
+                f"access={access!r}: validation {len(yva):,} samples, "
+                f"{np.count_nonzero(shares)} of {CLASSES} classes, shares "
+                f"{np.round(shares, 3).tolist()} (at most "
+                f"{np.abs(shares - 1 / CLASSES).max() * 100:.1f} points off); training "
+                f"batches with a class above 20 %: {skewed * 100:.1f} %"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
