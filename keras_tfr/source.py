@@ -89,8 +89,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
             cannot resume inside a shard).
         max_corrupt_records: with ``on_corrupt="skip"``, stop with a `CorruptRecordError`
             once more than this many records were dropped.
-        num_parallel_reads: reader threads (sample mode, default one per core, 2 to 8) or
-            shards read at once (block mode, default up to 8).
+        num_parallel_reads: units of batches gathered at once (sample mode, default one
+            per core, 2 to 8: calls in TensorFlow's threads, or the threads of an
+            `as_numpy_iterator`) or shards read at once (block mode, default up to 8).
         deterministic: block mode: element order reproducible across runs; default True
             unless ``shuffle=True`` without a ``seed``. Sample mode is always ordered.
         check_files: check at construction that every shard exists with its size.
