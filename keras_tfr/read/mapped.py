@@ -72,7 +72,7 @@ from keras_tfr.schema import BlockEncoder, FeatureSpec
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
 _UNIT_BYTES = 8 << 20  # what one unit holds: several batches
-_CHUNK_BYTES = 120 << 10  # gather in pieces under malloc's mmap threshold (see `gather`)
+_CHUNK_BYTES = 120 << 10  # small samples are gathered in cache-sized pieces (see `gather`)
 _ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few units)
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
 _EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
