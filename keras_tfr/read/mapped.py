@@ -51,6 +51,7 @@ How:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import mmap
 import os
@@ -59,7 +60,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -107,6 +108,9 @@ def _libc() -> Any:
             ]
             libc.munmap.restype = ctypes.c_int
             libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.malloc.restype = ctypes.c_void_p
+            libc.malloc.argtypes = [ctypes.c_size_t]
+            libc.free.argtypes = [ctypes.c_void_p]
         except (OSError, AttributeError):  # pragma: no cover
             return None
         _LIBC = libc
@@ -747,16 +751,19 @@ class _QuietAtExit:
                 self._installed = True
                 atexit.register(self.drain)
 
-    def enter(self) -> None:
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Around each call from TensorFlow: refused once the program is exiting."""
         with self._lock:
             if self._exiting:
                 raise RuntimeError("keras-tfr: the program is exiting")
             self._running += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._running -= 1
-            self._last = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._last = time.monotonic()
 
     def drain(self, quiet: float = 0.05, limit: float = 2.0) -> bool:
         """Refuses new calls and waits until none has run for ``quiet`` seconds."""
@@ -796,21 +803,15 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     _quiet_at_exit.install()
 
     def start(_unused: Any) -> np.ndarray:
-        _quiet_at_exit.enter()
-        try:
+        with _quiet_at_exit.call():
             number, start_batch = next_epoch()
             plan.begin_epoch()
             units = plan.epoch(number, start_batch).num_units
             return np.array([number, start_batch, units], dtype=np.int64)
-        finally:
-            _quiet_at_exit.leave()
 
     def block(info: np.ndarray, i: Any) -> list[np.ndarray]:
-        _quiet_at_exit.enter()
-        try:
+        with _quiet_at_exit.call():
             return plan.epoch(int(info[0]), int(info[1])).block(int(i))
-        finally:
-            _quiet_at_exit.leave()
 
     def one(info: Any, i: Any) -> tuple:
         outs = tf.numpy_function(block, [info, i], [tf.uint8] * n_specs, stateful=True)

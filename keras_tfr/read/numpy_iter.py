@@ -12,7 +12,6 @@ before any of its samples is handed out) and the same epochs as the tf.data pipe
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
 import weakref
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_tfr.read.mapped import Epoch, MappedPlan
+from keras_tfr.read.mapped import Epoch, MappedPlan, _libc
 from keras_tfr.schema import FeatureSpec
 
 
@@ -138,16 +137,9 @@ def _reuse_freed_batches() -> None:
         if _heap_done:
             return
         _heap_done.append(True)
-        if not sys.platform.startswith("linux"):
-            return
-        try:
-            libc = ctypes.CDLL(None)
-            libc.gnu_get_libc_version  # noqa: B018 - glibc only
-            libc.malloc.restype = ctypes.c_void_p
-            libc.malloc.argtypes = [ctypes.c_size_t]
-            libc.free.argtypes = [ctypes.c_void_p]
-        except (OSError, AttributeError):  # pragma: no cover - not glibc
-            return
+        libc = _libc()
+        if not sys.platform.startswith("linux") or not hasattr(libc, "gnu_get_libc_version"):
+            return  # not glibc
         block = libc.malloc(_HEAP_BLOCK)
         if block:
             libc.free(block)
