@@ -24,6 +24,11 @@ field                  meaning
                        set may hold fewer
 ``record_bytes``       size of a full record's serialized Example, in bytes (with a
                        non-fixed feature: an estimate of the average record's size)
+``lattice``            optional ``{period, rows}``: the records are padded so that every
+                       sample sits on a lattice (`keras_tfr.schema.Lattice`); absent in
+                       older data sets, and where it would cost more than 1/16 of a
+                       record. Readers that ignore it still read
+                       the records (the pads are extra Example keys)
 ``compression``        ``null``, ``"GZIP"`` or ``"ZLIB"`` (TFRecord compression)
 ``total_samples``      samples in the data set
 ``total_records``      records in the data set
@@ -62,6 +67,7 @@ from keras_tfr.schema import (
     ROLES,
     SUPPORTED_DTYPES,
     FeatureSpec,
+    Lattice,
 )
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ShardInfo"]
@@ -126,6 +132,7 @@ class Manifest:
     created: str = ""
     user_metadata: dict[str, Any] = field(default_factory=dict)
     directory: str = ""
+    lattice: Lattice | None = None
 
     @property
     def total_samples(self) -> int:
@@ -159,6 +166,7 @@ class Manifest:
             "features": [f.to_json() for f in self.features],
             "samples_per_record": self.samples_per_record,
             "record_bytes": self.record_bytes,
+            **({"lattice": self.lattice.to_json()} if self.lattice is not None else {}),
             "compression": self.compression,
             "total_samples": self.total_samples,
             "total_records": self.total_records,
@@ -343,6 +351,14 @@ class Manifest:
         record_bytes = get(obj, "record_bytes", int)
         if record_bytes < 0 or record_bytes > MAX_RECORD_BYTES:
             raise fail("`record_bytes` is out of range")
+        lattice = None
+        if obj.get("lattice") is not None:
+            try:
+                lattice = Lattice.from_json(obj["lattice"])
+            except ValueError as e:
+                raise fail(str(e)) from None
+            if not lattice.fits(features):
+                raise fail("`lattice` does not match the features")
         compression = obj.get("compression")
         if compression not in COMPRESSIONS:
             raise fail(f"`compression` {compression!r:.40} is not one of {COMPRESSIONS}")
@@ -402,6 +418,7 @@ class Manifest:
             writer_version=str(obj.get("writer_version", "")),
             created=str(obj.get("created", "")),
             user_metadata=obj.get("user_metadata") or {},
+            lattice=lattice,
         )
         for total, value in (
             ("total_samples", manifest.total_samples),

@@ -23,6 +23,18 @@ record may hold fewer samples.
 The Example is serialized by hand (the wire format of ``example.proto``), not through
 per-sample protobuf objects: one join of a precomputed header with each feature's bytes.
 Any TFRecord tool can still read the records as ordinary Examples.
+
+Lattice layout
+--------------
+Data sets of fixed-size features are written on a *lattice* (`Lattice`, recorded in the
+manifest): each feature's payload starts at a frame offset that is a multiple of
+``lcm(64, rows[key])``, and a full record's frame is a multiple of ``period`` bytes. The
+extra bytes are zero-filled ``bytes_list`` entries under the keys ``__pad__/<key>``
+(before each feature) and ``__pad__`` (last); parsers that ask for the data set's own
+keys never see them. With the shards mapped at multiples of ``period``, sample ``j`` of
+every record is then a whole number of ``rows[key]``-byte rows from one 64-byte aligned
+address, so TensorFlow can gather samples with `tf.gather` from a single tensor that
+aliases the mapped files (see `keras_tfr.read.mapped`).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a tf_* function
 __all__ = ["COUNT_KEY", "ROLES", "FeatureSpec", "check_dtype", "decode_example", "encode_block"]
 
 COUNT_KEY = "__count__"
+PAD_KEY = "__pad__"  # lattice padding: `__pad__/<key>` before a feature, `__pad__` last
 LENGTHS_SUFFIX = "__lengths__"
 FEATURE_KINDS = ("fixed", "ragged", "bytes")
 ROLES = ("x", "y", "sample_weight")
@@ -211,35 +224,163 @@ def _int64_entry(key: str, value: int) -> bytes:
     return _len_field(1, len(entry)) + entry
 
 
+@dataclass(frozen=True)
+class Lattice:
+    """Where a lattice data set's samples sit (see the module's "Lattice layout").
+
+    Attributes:
+        period: a full record's frame size is a multiple of it (a multiple of 64 and of
+            every ``rows`` value); shards are mapped at multiples of it.
+        rows: per feature key, the row size in bytes: a divisor of the feature's sample
+            size, so a sample is ``sample_bytes // rows`` consecutive rows.
+    """
+
+    period: int
+    rows: dict[str, int]
+
+    def align(self, key: str) -> int:
+        """Every payload of feature ``key`` starts at a frame offset multiple of this."""
+        return math.lcm(_PAYLOAD_ALIGN, self.rows[key])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"period": self.period, "rows": dict(self.rows)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Lattice:
+        """Raises ValueError on a malformed ``lattice`` manifest field."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("rows"), dict):
+            raise ValueError("`lattice` must be an object with `period` and `rows`")
+        period, rows = obj.get("period"), obj["rows"]
+        if not (isinstance(period, int) and 0 < period <= _MAX_PERIOD and period % 64 == 0):
+            raise ValueError(f"`lattice` is out of range: {obj!r:.200}")
+        for k, v in rows.items():
+            if not (isinstance(k, str) and isinstance(v, int) and v > 0 and period % v == 0):
+                raise ValueError(f"`lattice` is out of range: {obj!r:.200}")
+        return cls(period=period, rows=dict(rows))
+
+    def fits(self, specs: list[FeatureSpec]) -> bool:
+        """Whether this lattice describes these features (keys and row sizes)."""
+        return set(self.rows) == {s.key for s in specs} and all(
+            s.kind == "fixed" and s.sample_bytes % self.rows[s.key] == 0 for s in specs
+        )
+
+
+_PAYLOAD_ALIGN = 64  # TensorFlow adopts a buffer without a copy at this alignment
+_MAX_ROW = 4096  # a lattice row: at most a page, so a large sample is a few rows
+_MIN_ROW = 256  # smaller rows only when they are a whole sample (gathers stay cheap)
+_MAX_PERIOD = 1 << 20
+
+
+def plan_lattice(specs: list[FeatureSpec], record_bytes: int) -> Lattice | None:
+    """The lattice for records of about ``record_bytes``, or None where it costs too much:
+    a feature that is not fixed-size, a sample size without a divisor between 256 and 4096
+    bytes (a large prime, say), or padding above 1/16 of a record."""
+    if not specs or any(s.kind != "fixed" or s.sample_bytes <= 0 for s in specs):
+        return None
+    rows = {}
+    for s in specs:
+        sb = s.sample_bytes
+        row = max(d for d in range(1, min(sb, _MAX_ROW) + 1) if sb % d == 0)
+        if row != sb and row < _MIN_ROW:
+            return None
+        rows[s.key] = row
+    period = math.lcm(_PAYLOAD_ALIGN, *rows.values())
+    worst = period + sum(math.lcm(_PAYLOAD_ALIGN, r) for r in rows.values())
+    if period > _MAX_PERIOD or worst * 16 > max(record_bytes, 1):
+        return None
+    return Lattice(period=period, rows=rows)
+
+
+def _pad_entry(key: str, size: int) -> bytes | None:
+    """A zero-filled bytes entry of exactly ``size`` bytes, or None when no payload length
+    gives that size (the varint lengths grow by steps)."""
+    for overhead in range(len(key) + 6, len(key) + 24):
+        n = size - overhead
+        if n < 0:
+            return None
+        header, total = _bytes_entry_header(key, n)
+        if total == size:
+            return header + bytes(n)
+    return None
+
+
 class BlockEncoder:
     """Serializes blocks of samples into Example bytes with precomputed headers.
+
+    With a `Lattice`, zero-filled pad entries align each feature's payload and the
+    frame's size (the module's "Lattice layout").
 
     Example:
         >>> enc = BlockEncoder([FeatureSpec("x", "", "float32", (2,))])
         >>> rec = enc.encode(3, [np.zeros((3, 2), np.float32).tobytes()])
     """
 
-    def __init__(self, specs: list[FeatureSpec]):
+    def __init__(self, specs: list[FeatureSpec], lattice: Lattice | None = None):
         self.specs = sorted(specs, key=lambda s: s.key)
-        self._cache: dict[int, tuple[bytes, list[bytes], bytes]] = {}
+        if lattice is not None and not lattice.fits(self.specs):
+            raise ValueError(f"the lattice {lattice} does not fit the features {self.specs}")
+        self.lattice = lattice
+        self._cache: dict[int, tuple[bytes, list[bytes], bytes, bytes]] = {}
 
-    def _headers(self, count: int) -> tuple[bytes, list[bytes], bytes]:
+    def _headers(self, count: int) -> tuple[bytes, list[bytes], bytes, bytes]:
+        """``(Example header, per-feature headers, count entry, last pad)`` of a record
+        of ``count`` samples; a feature's header starts with its pad entry, if any."""
         cached = self._cache.get(count)
         if cached is not None:
             return cached
-        entries = []
-        total = 0
         count_entry = _int64_entry(COUNT_KEY, count)
-        total += len(count_entry)
-        for spec in self.specs:
-            header, size = _bytes_entry_header(spec.key, count * spec.sample_bytes)
-            entries.append(header)
-            total += size
+        plain = [_bytes_entry_header(s.key, count * s.sample_bytes) for s in self.specs]
+        total = len(count_entry) + sum(size for _, size in plain)
+        entries = [header for header, _ in plain]
+        tail = b""
+        if self.lattice is not None:
+            entries, tail, total = self._lattice_headers(count, count_entry, plain)
         example_header = _len_field(1, total)  # Example.features
-        result = (example_header, entries, count_entry)
+        result = (example_header, entries, count_entry, tail)
         if len(self._cache) < 4:
             self._cache[count] = result
         return result
+
+    def _lattice_headers(
+        self, count: int, count_entry: bytes, plain: list[tuple[bytes, int]]
+    ) -> tuple[list[bytes], bytes, int]:
+        """Pads each feature's payload to its alignment and the frame to the period.
+
+        The Example's length field comes first and its size depends on the pads: tried
+        with each varint size until the sizes agree.
+        """
+        from keras_tfr.format import framing
+
+        lattice = self.lattice
+        assert lattice is not None
+        for length_bytes in range(1, 6):
+            pos = framing.HEADER_BYTES + 1 + length_bytes + len(count_entry)
+            entries = []
+            for spec, (header, size) in zip(self.specs, plain):
+                align = lattice.align(spec.key)
+                pad = b""
+                need = (-(pos + len(header))) % align
+                while need:
+                    got = _pad_entry(f"{PAD_KEY}/{spec.key}", need)
+                    if got is not None:
+                        pad = got
+                        break
+                    need += align
+                entries.append(pad + header)
+                pos += len(pad) + size
+            tail = b""
+            need = (-(pos + framing.FOOTER_BYTES)) % lattice.period
+            while need:
+                got = _pad_entry(PAD_KEY, need)
+                if got is not None:
+                    tail = got
+                    break
+                need += lattice.period
+            pos += len(tail)
+            total = pos - (framing.HEADER_BYTES + 1 + length_bytes)
+            if len(_varint(total)) == length_bytes:
+                return entries, tail, total
+        raise AssertionError("unreachable: a varint of a record length takes 1-5 bytes")
 
     def fixed_layout(self, count: int) -> tuple[dict[str, int], list[tuple[int, bytes]], int]:
         """Where each feature's bytes sit in a record of `count` samples (fixed kinds only).
@@ -250,7 +391,7 @@ class BlockEncoder:
             Records of one data set share this layout, so a reader can cut features out by
             offset after checking the header segments.
         """
-        example_header, entries, count_entry = self._headers(count)
+        example_header, entries, count_entry, tail = self._headers(count)
         offsets: dict[str, int] = {}
         headers: list[tuple[int, bytes]] = [(0, example_header + count_entry)]
         pos = len(example_header) + len(count_entry)
@@ -259,6 +400,9 @@ class BlockEncoder:
             pos += len(header)
             offsets[spec.key] = pos
             pos += count * spec.sample_bytes
+        if tail:
+            headers.append((pos, tail))
+            pos += len(tail)
         return offsets, headers, pos
 
     def encode(self, count: int, payloads: list[Any]) -> bytes:
@@ -271,11 +415,13 @@ class BlockEncoder:
     def encode_parts(self, count: int, payloads: list[Any]) -> list[Any]:
         """The record of `encode` (fixed kinds only) as its parts, in order: small header
         ``bytes`` and the payload buffers themselves, not copied."""
-        example_header, entries, count_entry = self._headers(count)
+        example_header, entries, count_entry, tail = self._headers(count)
         parts: list[Any] = [example_header + count_entry]
         for header, payload in zip(entries, payloads):
             parts.append(header)
             parts.append(payload)
+        if tail:
+            parts.append(tail)
         return parts
 
     def _encode_variable(self, count: int, payloads: list[Any]) -> bytes:

@@ -528,13 +528,24 @@ class TFRecordSequenceSource(tf.data.Dataset):
             readers=opts.num_parallel_reads or min(8, max(2, os.cpu_count() or 2)),
             verify=opts.verify,
             skip=skip if opts.on_corrupt == "skip" else None,
+            lattice=m.lattice,
         )
         self._mapped_plan = plan
+        structure = self._structure_fn() if not self._decode else (lambda d: d)
+        rows = opts.batch_size if opts.drop_remainder else None
+        if m.lattice is not None:
+            # TensorFlow gathers each batch from the mapped shards (`lattice_dataset`).
+            def finish(u8: list[Any]) -> Any:
+                out = {}
+                for s, t in zip(specs, u8):
+                    feature = tf.reshape(tf_bytes_to_feature(t, s), [-1, *s.shape])
+                    out[s.key] = feature if rows is None else _rows(rows)(feature)
+                return structure(out)
+
+            return mapped.lattice_dataset(plan, self._clock.take, finish)
         blocks = mapped.dataset(plan, self._clock.take)
         # Decoding (a reshape and a zero-copy bitcast) and Keras' structure are applied
         # once per block of batches, so each batch then costs only its slice.
-        structure = self._structure_fn() if not self._decode else (lambda d: d)
-        rows = opts.batch_size if opts.drop_remainder else None
 
         def decode(*u8: Any) -> Any:
             out = {}
@@ -746,7 +757,9 @@ def _choose_access(opts: SourceOptions, m: Manifest, specs: list[FeatureSpec]) -
         reasons.append(f"the shards are {m.compression}-compressed")
     if m.record_bytes <= 0 or any(s.kind != "fixed" for s in specs):
         reasons.append("it has variable-length features")
-    elif mapped.frame_bytes(specs, m.samples_per_record) != framing.frame_size(m.record_bytes):
+    elif mapped.frame_bytes(specs, m.samples_per_record, m.lattice) != framing.frame_size(
+        m.record_bytes
+    ):
         reasons.append("its manifest's record size does not match the record layout")
     if opts.service is not None:
         reasons.append("the tf.data service runs the pipeline on its own workers")

@@ -21,14 +21,18 @@ from keras_tfr.manifest import Manifest
 from keras_tfr.read import mapped
 
 
-@pytest.fixture
-def data(tmp_path):
-    """1,000 samples of 7 float32 (28 bytes: batches are not 64-byte multiples)."""
+@pytest.fixture(params=["plain", "lattice"])
+def data(tmp_path, request):
+    """1,000 samples of 7 float32 (28 bytes: batches are not 64-byte multiples) in records
+    of 9 (too small for a lattice: the buffer reader), or of 64 float32 in records of 60
+    on a lattice (TensorFlow gathers from the mapped shards)."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((1000, 7)).astype(np.float32)
+    width, spr = (7, 9) if request.param == "plain" else (64, 60)
+    x = rng.standard_normal((1000, width)).astype(np.float32)
     y = np.arange(1000, dtype=np.int64)
     d = str(tmp_path / "ds")
-    ArraysToRecords.from_arrays(x, y, d, samples_per_record=9, min_shards=3, verbose=0)
+    m = ArraysToRecords.from_arrays(x, y, d, samples_per_record=spr, min_shards=3, verbose=0)
+    assert (m.lattice is not None) == (request.param == "lattice")
     return d, x, y
 
 
@@ -195,7 +199,7 @@ def test_mapped_and_graph_readers_give_the_same_samples(data, monkeypatch, drop_
         )
         rows = 64 if drop_remainder else None
         assert src.element_spec == (
-            tf.TensorSpec([rows, 7], tf.float32),
+            tf.TensorSpec([rows, x.shape[1]], tf.float32),
             tf.TensorSpec([rows], tf.int64),
         )
     n = len(got["graph"][1])

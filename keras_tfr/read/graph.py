@@ -237,7 +237,7 @@ class GraphReader:
 
         fast_decode = None
         if fixed_layout and not variable_specs:
-            fast_decode = _fixed_layout_decoder(specs, spr, m.record_bytes, parse_pool)
+            fast_decode = _fixed_layout_decoder(specs, spr, m, parse_pool)
 
         def decode_pool(serialized: Any, rand: Any) -> Any:
             if fast_decode is not None:
@@ -327,7 +327,7 @@ class GraphReader:
 
 
 def _fixed_layout_decoder(
-    specs: list[FeatureSpec], spr: int, record_bytes: int, parse_pool: Callable
+    specs: list[FeatureSpec], spr: int, m: Manifest, parse_pool: Callable
 ) -> Callable | None:
     """Decodes pools of full records by offset: one `decode_raw` of the whole records,
     then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
@@ -340,8 +340,8 @@ def _fixed_layout_decoder(
     """
     from keras_tfr.schema import BlockEncoder
 
-    offsets, headers, length = BlockEncoder(specs).fixed_layout(spr)
-    if length != record_bytes:
+    offsets, headers, length = BlockEncoder(specs, m.lattice).fixed_layout(spr)
+    if length != m.record_bytes:
         return None
     header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
     header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
@@ -370,8 +370,18 @@ def _fixed_layout_decoder(
         decoded, parsed = parse_pool(serialized)
         return decoded, parsed[COUNT_KEY]
 
+    # On a lattice the short last record can have a full record's length (the padding
+    # rounds both up): a full record is one whose sample count field says so too.
+    head = np.frombuffer(headers[0][1], dtype=np.uint8)
+
+    def counts_full(serialized: Any) -> Any:
+        got = tf.io.decode_raw(tf.strings.substr(serialized, 0, len(head)), tf.uint8)
+        return tf.reduce_all(tf.equal(got, head[None, :]))
+
     def decode(serialized: Any) -> Any:
-        full = tf.reduce_all(tf.equal(tf.strings.length(serialized), record_bytes))
+        full = tf.reduce_all(tf.equal(tf.strings.length(serialized), m.record_bytes))
+        if m.lattice is not None:
+            full = tf.cond(full, lambda: counts_full(serialized), lambda: tf.constant(False))
         return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
 
     return decode

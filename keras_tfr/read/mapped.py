@@ -31,8 +31,16 @@ How:
   samples of the same share, drawn at random (seeded), so the epoch keeps its step
   count; draws are bounded, so a data set whose records are all damaged ends with an
   error instead of looping.
-* **Hand-off to tf.data** (`dataset`). Each unit is one Python call in a parallel
-  ``map`` (``readers`` at a time, in TensorFlow's threads), gathered into recycled
+* **Hand-off to tf.data on a lattice** (`lattice_dataset`, for data sets written on a
+  `keras_tfr.schema.Lattice`, the writer's default). Each shard starts at a multiple of
+  the lattice period, so every sample of feature ``f`` is a whole number of rows of one
+  ``[rows, row_bytes]`` tensor over the whole range: a tensor TensorFlow gets through
+  DLPack, aliasing the mapped pages (no copy). Python runs once per unit (8,192 samples
+  or more, ``readers`` at a time): order, checks, row numbers; TensorFlow then gathers
+  each batch with `tf.gather` in its own threads, as Keras does for in-memory arrays.
+* **Hand-off to tf.data otherwise** (`dataset`, data sets written before the lattice or
+  with ``lattice=False``). Each unit is one Python call in a parallel ``map``
+  (``readers`` at a time, in TensorFlow's threads), gathered into recycled
   64-byte-aligned buffers that TensorFlow adopts without a copy; a buffer is reused once
   nothing refers to it any more (a weak-reference finalizer on the array handed out, not
   a reference count). Nothing is read ahead past an iterator.
@@ -53,6 +61,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import queue
@@ -69,11 +78,12 @@ import numpy as np
 from keras_tfr import _crc
 from keras_tfr.format import framing
 from keras_tfr.read.order import SampleOrder
-from keras_tfr.schema import BlockEncoder, FeatureSpec
+from keras_tfr.schema import BlockEncoder, FeatureSpec, Lattice
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
 _UNIT_BYTES = 8 << 20  # what one unit holds: several batches
 _CHUNK_BYTES = 120 << 10  # small samples are gathered in cache-sized pieces (see `gather`)
+_LATTICE_UNIT_ROWS = 8192  # samples per unit, at least, on a lattice (row numbers only)
 _ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few units)
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
 _EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
@@ -123,8 +133,8 @@ def _libc() -> Any:
 class _Layout:
     """Where the bytes of a record of ``count`` samples sit in its frame."""
 
-    def __init__(self, specs: list[FeatureSpec], count: int):
-        offsets, headers, length = BlockEncoder(specs).fixed_layout(count)
+    def __init__(self, specs: list[FeatureSpec], count: int, lattice: Lattice | None = None):
+        offsets, headers, length = BlockEncoder(specs, lattice).fixed_layout(count)
         self.count = count
         self.length = length
         self.frame = framing.frame_size(length)
@@ -141,9 +151,11 @@ class _Layout:
         self.meta_expected = np.concatenate(expected)
 
 
-def frame_bytes(specs: list[FeatureSpec], samples_per_record: int) -> int:
+def frame_bytes(
+    specs: list[FeatureSpec], samples_per_record: int, lattice: Lattice | None = None
+) -> int:
     """Size of a full record's frame (TFRecord framing included)."""
-    return _Layout(specs, samples_per_record).frame
+    return _Layout(specs, samples_per_record, lattice).frame
 
 
 # --------------------------------------------------------------------------- region
@@ -152,14 +164,15 @@ def frame_bytes(specs: list[FeatureSpec], samples_per_record: int) -> int:
 class _Region:
     """Every shard mapped read-only, in order, into one reserved range of addresses.
 
-    Each shard starts on a page boundary; ``starts[k]`` is shard ``k``'s offset in the
+    Each shard starts at a multiple of ``align`` (a multiple of the page size: the
+    lattice period's, for a lattice data set); ``starts[k]`` is shard ``k``'s offset in the
     range. Pages past a file's end are never touched (records are checked against the
     file's size first). Unmapped when the region is closed or collected.
     """
 
-    def __init__(self, files: list[str], sizes: list[int]):
+    def __init__(self, files: list[str], sizes: list[int], align: int = 1):
         libc = _libc()
-        page = mmap.PAGESIZE
+        page = math.lcm(mmap.PAGESIZE, align)
         slots = [max(page, -(-int(s) // page) * page) for s in sizes]
         self.files = files
         self.total = int(sum(slots))
@@ -260,6 +273,7 @@ class MappedPlan:
         readers: int,
         verify: str,
         skip: Callable[[str, int, int, int, str], None] | None,
+        lattice: Lattice | None = None,
     ):
         self.specs = specs
         self.files = files
@@ -278,11 +292,18 @@ class MappedPlan:
         self.batch_bytes = batch_bytes = batch_size * sum(self.sample_bytes)
         self.unit_batches = max(1, min(self.num_batches, _UNIT_BYTES // max(1, batch_bytes)))
         self.unit_rows = self.unit_batches * batch_size
-        self.full = _Layout(specs, self.spr)
+        # A lattice unit holds row numbers, not data: larger units cost no memory and
+        # cut the per-unit overhead (a Python call, a slice of the order).
+        self.lattice_unit_rows = None
+        if lattice is not None:
+            batches = max(self.unit_batches, -(-_LATTICE_UNIT_ROWS // batch_size))
+            self.lattice_unit_rows = min(self.num_batches, batches) * batch_size
+        self.lattice = lattice
+        self.full = _Layout(specs, self.spr, lattice)
         total_records = int(sum(self.shard_records))
         self.total_records = total_records
         last = self.total_samples - (total_records - 1) * self.spr if total_records else self.spr
-        self.short = _Layout(specs, last) if last != self.spr else None
+        self.short = _Layout(specs, last, lattice) if last != self.spr else None
         self.shard_of = np.repeat(
             np.arange(len(files), dtype=np.int64), self.shard_records
         )  # per record
@@ -306,7 +327,8 @@ class MappedPlan:
     def region(self) -> _Region:
         with self._region_lock:
             if self._region is None:
-                self._region = _Region(self.files, self.shard_bytes)
+                period = self.lattice.period if self.lattice is not None else 1
+                self._region = _Region(self.files, self.shard_bytes, period)
                 arr = self._region_array = self._region.array
                 # Per feature, a read-only "sliding window": row i is the sample_bytes
                 # bytes at address i (a [rows, sample_bytes] uint8 view with strides
@@ -348,7 +370,9 @@ class MappedPlan:
         """
         key = (int(number), int(start_batch))
         with self._epochs_lock:
-            epoch = self._epochs.pop(key, None) or Epoch(self, *key)
+            epoch = self._epochs.pop(key, None) or Epoch(
+                self, *key, unit_rows=self.lattice_unit_rows
+            )
             self._epochs[key] = epoch
             while len(self._epochs) > _EPOCHS_KEPT:
                 del self._epochs[next(iter(self._epochs))]
@@ -446,7 +470,10 @@ class MappedPlan:
     def good_samples(self, ids: np.ndarray, epoch: int, unit: int) -> np.ndarray:
         """``ids`` with every sample of a damaged record replaced (skip mode), checked."""
         records = ids // self.spr
-        bad = self.ensure_checked(np.unique(records))
+        unsure = records[self.state[records] != 1]  # all checked and sound: nothing to do
+        if not len(unsure):
+            return ids
+        bad = self.ensure_checked(np.unique(unsure))
         if not len(bad):
             return ids
         rng = np.random.default_rng([self.order.seed & 0xFFFFFFFF, epoch, unit, 7])
@@ -506,6 +533,49 @@ class MappedPlan:
             outs.append(out)
         return outs
 
+    @property
+    def lattice_rows(self) -> list[int] | None:
+        """Per feature, the lattice's row size in bytes; None without a lattice."""
+        if self.lattice is None:
+            return None
+        return [self.lattice.rows[s.key] for s in self.specs]
+
+    def lattice_tensors(self) -> list[Any]:
+        """Per feature, the whole region as a ``[rows, row_bytes]`` uint8 `tf.Tensor`
+        that aliases the mapped shards (no copy; it keeps the mapping alive).
+
+        Made through DLPack, the one way to an eager tensor over memory TensorFlow does
+        not own (`tf.constant` copies; so does `tf.numpy_function` run eagerly). DLPack
+        (the version TensorFlow speaks) cannot say "read-only", so the NumPy view handed
+        over is marked writable; the pages are mapped read-only and the tensors are only
+        ever read by `tf.gather` (a write would fault, not change a file).
+        """
+        import tensorflow as tf
+
+        rows = self.lattice_rows
+        assert rows is not None
+        region = self.region()
+        buf = (ctypes.c_uint8 * region.total).from_address(region.base)
+        pinned = np.frombuffer(memoryview(buf), dtype=np.uint8).view(_Pinned)
+        pinned.region = region
+        out = []
+        for g in rows:
+            view = pinned[: len(pinned) // g * g].reshape(-1, g)
+            out.append(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
+        return out
+
+    def rows(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Per feature, the rows of `lattice_views` that hold the samples ``ids``
+        (``[len(ids) * rows_per_sample]`` int64, sample by sample)."""
+        rows = self.lattice_rows
+        assert rows is not None
+        out = []
+        for offsets, g, sb in zip(self.offsets(ids), rows, self.sample_bytes):
+            first = offsets // g
+            k = sb // g
+            out.append(first if k == 1 else (first[:, None] + np.arange(k)).reshape(-1))
+        return out
+
     def gather_batches(self, ids: np.ndarray) -> list[list[np.ndarray]]:
         """Rows of ``ids`` cut in batches: per batch, per feature, a new ``[rows,
         sample_bytes]`` uint8 array, copied once from the page cache (what a NumPy
@@ -524,9 +594,17 @@ class MappedPlan:
 class Epoch:
     """One iterator over the source: epoch ``number`` from batch ``start_batch`` on."""
 
-    def __init__(self, plan: MappedPlan, number: int, start_batch: int = 0, batches: bool = False):
+    def __init__(
+        self,
+        plan: MappedPlan,
+        number: int,
+        start_batch: int = 0,
+        batches: bool = False,
+        unit_rows: int | None = None,
+    ):
         self.plan = plan
         self.number = number
+        self.unit_rows = unit_rows or plan.unit_rows
         # ``batches``: units come as lists of batches of new arrays (`gather_batches`,
         # for NumPy consumers), else as aligned recycled buffers (`gather`, for tf.data).
         self._gather = plan.gather_batches if batches else plan.gather
@@ -536,7 +614,7 @@ class Epoch:
         # are cut in two units, their whole batches and then the partial batch, so that
         # every unit is a block of equal batches.
         rows = plan.total_rows - self.first_row
-        self._whole_units, rest = divmod(rows, plan.unit_rows)
+        self._whole_units, rest = divmod(rows, self.unit_rows)
         self._rest = [r for r in (rest - rest % plan.batch_size, rest % plan.batch_size) if r]
         self.num_units = self._whole_units + len(self._rest)
         self._done = 0  # units handed to tf.data (`block`)
@@ -548,7 +626,7 @@ class Epoch:
         self._started = False
         # The order is computed for several units at once (its cost is mostly per call),
         # in read-only pieces that the units slice; at most a few pieces are kept.
-        self._group = max(1, _ORDER_ROWS // plan.unit_rows)
+        self._group = max(1, _ORDER_ROWS // self.unit_rows)
         self._orders: dict[int, Future] = {}
 
     def _order(self, g: int) -> np.ndarray:
@@ -562,8 +640,8 @@ class Epoch:
                     del self._orders[old]
         if mine:
             plan = self.plan
-            lo = self.first_row + g * self._group * plan.unit_rows
-            hi = min(lo + self._group * plan.unit_rows, plan.total_rows)
+            lo = self.first_row + g * self._group * self.unit_rows
+            hi = min(lo + self._group * self.unit_rows, plan.total_rows)
             try:
                 ids = plan.order.samples(self.number, lo, hi)
             except BaseException as e:
@@ -575,18 +653,21 @@ class Epoch:
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""
-        u = self.plan.unit_rows
+        u = self.unit_rows
         if i < self._whole_units:
             return i * u, (i + 1) * u
         lo = self._whole_units * u + sum(self._rest[: i - self._whole_units])
         return lo, lo + self._rest[i - self._whole_units]
 
+    def _ids(self, lo: int, hi: int) -> np.ndarray:
+        """Written sample indices of stream positions ``[lo, hi)`` (within one unit)."""
+        g = lo // (self._group * self.unit_rows)
+        base = g * self._group * self.unit_rows
+        return self._order(g)[lo - base : hi - base]
+
     def unit(self, i: int) -> Any:
         lo, hi = self.span(i)
-        g = lo // (self._group * self.plan.unit_rows)
-        base = g * self._group * self.plan.unit_rows
-        ids = self._order(g)[lo - base : hi - base]
-        ids = self.plan.good_samples(ids, self.number, i)
+        ids = self.plan.good_samples(self._ids(lo, hi), self.number, i)
         return self._gather(ids)
 
     def block(self, i: int) -> list[np.ndarray]:
@@ -595,12 +676,25 @@ class Epoch:
         unit has been handed out."""
         unit = self.unit(i)
         rows = min(len(unit[0]), self.plan.batch_size)
+        self._handed_out()
+        return [u.reshape(-1, rows, u.shape[1]) for u in unit]
+
+    def row_block(self, i: int) -> list[np.ndarray]:
+        """Unit ``i`` as lattice rows: per feature ``[batches, rows of a batch]`` int64
+        indices into `MappedPlan.lattice_views`, for TensorFlow to gather; every record
+        they touch has passed its checks."""
+        lo, hi = self.span(i)
+        ids = self.plan.good_samples(self._ids(lo, hi), self.number, i)
+        batches = -(-len(ids) // self.plan.batch_size)
+        self._handed_out()
+        return [r.reshape(batches, -1) for r in self.plan.rows(ids)]
+
+    def _handed_out(self) -> None:
         with self._lock:
             self._done += 1
             last = self._done == self.num_units
         if last:
             self.plan.forget(self)
-        return [u.reshape(-1, rows, u.shape[1]) for u in unit]
 
     def _submit(self, k: int) -> None:
         for q in range(k, min(k + 1 + self.plan.readers, self.num_units)):
@@ -689,6 +783,13 @@ class _DaemonPool:
         for t in threads:
             if t is not threading.current_thread():
                 t.join()
+
+
+class _Pinned(np.ndarray):
+    """The mapped region's array, holding the `_Region` alive: views of it (and the
+    tensors TensorFlow makes of them) keep the mapping until nothing refers to them."""
+
+    region: Any = None
 
 
 class _Lease(np.ndarray):
@@ -782,6 +883,24 @@ class _QuietAtExit:
 _quiet_at_exit = _QuietAtExit()
 
 
+def _epoch_starter(
+    plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]
+) -> Callable[[Any], np.ndarray]:
+    """The Python call that starts each tf.data iterator: takes its ``(epoch, first
+    batch)``, looks for shards changed on disk, and returns ``[epoch, first batch,
+    units]``."""
+    _quiet_at_exit.install()
+
+    def start(_unused: Any) -> np.ndarray:
+        with _quiet_at_exit.call():
+            number, start_batch = next_epoch()
+            plan.begin_epoch()
+            units = plan.epoch(number, start_batch).num_units
+            return np.array([number, start_batch, units], dtype=np.int64)
+
+    return start
+
+
 def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     """A `tf.data.Dataset` of blocks of batches: a tuple of uint8
     ``[batches, rows, sample_bytes]`` tensors, one per spec (in ``plan.specs`` order).
@@ -800,14 +919,7 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     n_specs = len(plan.specs)
     shapes = [tf.TensorShape([None, None, sb]) for sb in plan.sample_bytes]
 
-    _quiet_at_exit.install()
-
-    def start(_unused: Any) -> np.ndarray:
-        with _quiet_at_exit.call():
-            number, start_batch = next_epoch()
-            plan.begin_epoch()
-            units = plan.epoch(number, start_batch).num_units
-            return np.array([number, start_batch, units], dtype=np.int64)
+    start = _epoch_starter(plan, next_epoch)
 
     def block(info: np.ndarray, i: Any) -> list[np.ndarray]:
         with _quiet_at_exit.call():
@@ -827,3 +939,65 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     # Decoding and cutting into batches are the caller's (once per block; TensorFlow
     # aliases aligned slices of the adopted buffer instead of copying them).
     return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(iterator)
+
+
+def lattice_dataset(
+    plan: MappedPlan,
+    next_epoch: Callable[[], tuple[int, int]],
+    finish: Callable[[list[Any]], Any],
+) -> Any:
+    """A `tf.data.Dataset` of batches, for a data set written on a lattice: TensorFlow
+    gathers each batch with `tf.gather` from tensors that alias the mapped shards
+    (`MappedPlan.lattice_tensors`), so no Python call and no buffer of ours is on a
+    batch's path. Python runs once per unit of batches (8,192 samples or more),
+    ``readers`` at a time: it works out the unit's samples (order, split, share), checks
+    every record they touch, and hands over their row numbers.
+
+    ``finish`` turns one batch, a list of uint8 ``[rows, sample_bytes]`` tensors (one per
+    spec, in ``plan.specs`` order), into the element the caller wants. Each iterator asks
+    for its epoch when its first element is pulled, as `dataset` does. Every function
+    sits in the outer pipeline (none inside the `flat_map`), so TensorFlow prepares them
+    once per iterator, not again when each epoch starts.
+    """
+    import tensorflow as tf
+
+    rows = plan.lattice_rows
+    assert rows is not None
+    n_specs = len(plan.specs)
+    region = plan.lattice_tensors()
+
+    start = _epoch_starter(plan, next_epoch)
+
+    def row_block(info: np.ndarray, i: Any) -> list[np.ndarray]:
+        with _quiet_at_exit.call():
+            return plan.epoch(int(info[0]), int(info[1])).row_block(int(i))
+
+    def epoch(unused: Any) -> Any:
+        info = tf.numpy_function(start, [unused], tf.int64, stateful=True)
+        return tf.ensure_shape(info, [3])
+
+    def units(info: Any) -> tf.data.Dataset:
+        numbers = tf.data.Dataset.range(info[2])
+        return tf.data.Dataset.zip((numbers, tf.data.Dataset.from_tensors(info).repeat()))
+
+    def unit(i: Any, info: Any) -> tuple:
+        out = tf.numpy_function(row_block, [info, i], [tf.int64] * n_specs, stateful=True)
+        return tuple(tf.ensure_shape(o, [None, None]) for o in out)
+
+    def gather(*batch_rows: Any) -> Any:
+        return finish(
+            [
+                tf.reshape(tf.gather(view, r), [-1, sb])
+                for view, r, sb in zip(region, batch_rows, plan.sample_bytes)
+            ]
+        )
+
+    return (
+        tf.data.Dataset.from_tensors(np.int64(0))
+        .map(epoch)
+        .flat_map(units)
+        .map(unit, num_parallel_calls=plan.readers, deterministic=True)
+        # `unbatch` costs less per batch than a `flat_map` of `from_tensor_slices`.
+        .unbatch()
+        .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    )

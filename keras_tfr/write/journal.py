@@ -149,6 +149,7 @@ def load_journal(directory: str, path: str) -> DirectoryState:
         record_bytes=probe.record_bytes,
         records_per_shard=records_per_shard,
         compression=probe.compression,
+        lattice=probe.lattice,
     )
     log.info(
         "keras-tfr: resuming %s after %d complete shards (%d samples)",

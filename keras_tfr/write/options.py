@@ -59,6 +59,7 @@ class WriteOptions:
     verbose: int = 1
     metadata: dict[str, Any] | None = None
     variable_length: Iterable[str] = ()
+    lattice: bool = True
     shard_bytes: int = dataclasses.field(init=False)
     record_bytes: int = dataclasses.field(init=False)
     chunk_bytes: int = dataclasses.field(init=False)
@@ -85,6 +86,7 @@ class WriteOptions:
         put("compression", _checks.choice("compression", compression, COMPRESSIONS))
         put("overwrite", _checks.boolean("overwrite", self.overwrite))
         put("resume", _checks.boolean("resume", self.resume))
+        put("lattice", _checks.boolean("lattice", self.lattice))
         if self.overwrite and self.resume:
             raise ValueError(
                 "`overwrite=True` and `resume=True` contradict each other: pass one of them."

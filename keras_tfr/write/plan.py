@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from keras_tfr.format.framing import OVERHEAD
-from keras_tfr.schema import MAX_RECORD_BYTES, BlockEncoder, FeatureSpec
+from keras_tfr.schema import MAX_RECORD_BYTES, BlockEncoder, FeatureSpec, Lattice, plan_lattice
 from keras_tfr.write.inputs import Batch, mean_sample_bytes
 from keras_tfr.write.options import WriteOptions
 
@@ -26,6 +26,7 @@ class Layout:
     record_bytes: int
     records_per_shard: int
     compression: str | None
+    lattice: Lattice | None = None
 
     def config(self) -> dict[str, Any]:
         """The fields the manifest and the journal share."""
@@ -34,6 +35,7 @@ class Layout:
             "features": [s.to_json() for s in self.specs],
             "samples_per_record": self.samples_per_record,
             "record_bytes": self.record_bytes,
+            **({"lattice": self.lattice.to_json()} if self.lattice is not None else {}),
             "compression": self.compression,
         }
 
@@ -41,9 +43,9 @@ class Layout:
 def plan_layout(batch: Batch, options: WriteOptions) -> Layout:
     """The layout for data like `batch`; ValueError when the sizes cannot work."""
     specs = list(batch.specs)
-    encoder = BlockEncoder(specs)
     sample_bytes = sum(s.sample_bytes for s in specs)
     variable = any(s.kind != "fixed" for s in specs)
+    encoder = BlockEncoder(specs)
     if variable:  # sized from the first batch's mean sample
         mean = sum(map(mean_sample_bytes, batch.specs, batch.arrays))
         sample_bytes = max(1, math.ceil(mean))
@@ -85,6 +87,10 @@ def plan_layout(batch: Batch, options: WriteOptions) -> Layout:
             f"A record of {spr} samples of {sample_bytes} bytes would pass the 2 GiB "
             "protobuf limit: lower `samples_per_record`."
         )
+    lattice = None
+    if not variable and options.compression is None and options.lattice:
+        lattice, spr = _on_lattice(specs, spr, options)
+        encoder = BlockEncoder(specs, lattice)
     return Layout(
         structure=dict(batch.structure),
         specs=specs,
@@ -92,7 +98,38 @@ def plan_layout(batch: Batch, options: WriteOptions) -> Layout:
         record_bytes=record_bytes(spr),
         records_per_shard=_records_per_shard(record_bytes(spr), spr, options),
         compression=options.compression,
+        lattice=lattice,
     )
+
+
+def _on_lattice(
+    specs: list[FeatureSpec], spr: int, options: WriteOptions
+) -> tuple[Lattice | None, int]:
+    """The lattice and the samples per record to use with it, or ``(None, spr)`` where
+    the padding would pass 1/16 of a record or a record would no longer fit in a shard.
+
+    Sample mode reads uncompressed fixed-size data straight from mapped shards; on a
+    lattice a sample is whole rows of one aligned tensor (`keras_tfr.schema.Lattice`).
+    """
+    plain = BlockEncoder(specs)
+    lattice = plan_lattice(specs, plain.fixed_layout(spr)[2])
+    if lattice is None:
+        return None, spr
+    padded = BlockEncoder(specs, lattice)
+    sample_bytes = sum(s.sample_bytes for s in specs)
+    candidates = [spr]
+    if options.samples_per_record is None and spr > 1:
+        # The padding depends on where the last feature ends: of the sizes down to 7/8
+        # of this one, the one with the least padding per sample.
+        candidates = list(range(spr, max(1, spr - spr // 8) - 1, -1))
+    fits = [n for n in candidates if padded.fixed_layout(n)[2] + OVERHEAD <= options.shard_bytes]
+    if not fits:
+        return None, spr
+    best = min(fits, key=lambda n: (padded.fixed_layout(n)[2] - n * sample_bytes) / n)
+    padding = padded.fixed_layout(best)[2] - plain.fixed_layout(best)[2]
+    if padding * 16 > plain.fixed_layout(best)[2]:
+        return None, spr
+    return lattice, best
 
 
 def _records_per_shard(record_bytes: int, spr: int, options: WriteOptions) -> int:

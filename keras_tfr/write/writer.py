@@ -177,6 +177,7 @@ class RecordWriter:
             samples_per_record=layout.samples_per_record,
             record_bytes=layout.record_bytes,
             compression=layout.compression,
+            lattice=layout.lattice,
             shards=list(self._files.shards),
             writer_version=__version__,
             user_metadata=dict(self.options.metadata or {}),
@@ -213,7 +214,7 @@ class RecordWriter:
 
     def _adopt(self, layout: Layout, shards: list[ShardInfo]) -> None:
         self._layout = layout
-        self._encoder = BlockEncoder(layout.specs)
+        self._encoder = BlockEncoder(layout.specs, layout.lattice)
         fixed = all(s.kind == "fixed" for s in layout.specs)
         self._zero_copy = layout.compression is None and _crc.hardware() and fixed
         self._files = ShardFiles(self.directory, layout, shards)

@@ -1,0 +1,283 @@
+"""The lattice layout (`keras_tfr.schema.Lattice`) and the reader that gathers from it
+inside TensorFlow (`keras_tfr.read.mapped.lattice_dataset`): where the padding goes, when
+the writer uses it, that other readers still read the records, and that the batches are
+bit for bit those of the plain layout, in the same order."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
+from keras_tfr.errors import ManifestError
+from keras_tfr.format import framing
+from keras_tfr.manifest import Manifest
+from keras_tfr.schema import (
+    BlockEncoder,
+    FeatureSpec,
+    Lattice,
+    decode_example,
+    plan_lattice,
+)
+
+SPECS = {
+    "mnist": [FeatureSpec("x", "", "float32", (28, 28, 1)), FeatureSpec("y", "", "int32", ())],
+    "rgb": [FeatureSpec("x", "", "float32", (64, 64, 3)), FeatureSpec("y", "", "int64", (10,))],
+    "bytes": [FeatureSpec("x", "", "uint8", (32, 32, 3)), FeatureSpec("y", "", "uint8", ())],
+    "dict": [
+        FeatureSpec("x", "a", "float16", (6,)),
+        FeatureSpec("x", "b", "int32", (5, 5)),
+        FeatureSpec("y", "", "float64", (3,)),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("count", [1, 2, 127, 128, 129, 300])
+def test_payloads_and_frames_sit_on_the_lattice(name, count):
+    specs = SPECS[name]
+    lattice = plan_lattice(specs, 1 << 20)
+    assert lattice is not None
+    enc = BlockEncoder(specs, lattice)
+    offsets, headers, length = enc.fixed_layout(count)
+    for s in specs:
+        # Frame-relative payload offsets: 64-byte aligned and whole rows of the lattice.
+        at = framing.HEADER_BYTES + offsets[s.key]
+        assert at % lattice.align(s.key) == 0
+        assert s.sample_bytes % lattice.rows[s.key] == 0
+    assert framing.frame_size(length) % lattice.period == 0
+    # The headers (pads included) and payloads tile the record exactly.
+    spans = sorted(
+        [(o, o + len(b)) for o, b in headers]
+        + [(offsets[s.key], offsets[s.key] + count * s.sample_bytes) for s in specs]
+    )
+    assert spans[0][0] == 0 and spans[-1][1] == length
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    # Any Example parser reads the records; the pads are extra keys.
+    rng = np.random.default_rng(count)
+    arrays = {
+        s.key: rng.integers(0, 100, (count, *s.shape)).astype(s.dtype)
+        for s in sorted(specs, key=lambda s: s.key)
+    }
+    payloads = [arrays[s.key].tobytes() for s in enc.specs]
+    record = b"".join(bytes(p) for p in enc.encode_parts(count, payloads))
+    assert len(record) == length
+    decoded = decode_example(specs, record)
+    for key, arr in arrays.items():
+        assert decoded[key].tobytes() == arr.tobytes()
+    parsed = tf.io.parse_single_example(
+        record, {k: tf.io.FixedLenFeature([], tf.string) for k in arrays}
+    )
+    for key, arr in arrays.items():
+        assert parsed[key].numpy() == arr.tobytes()
+    keys = set(tf.train.Example.FromString(record).features.feature)
+    pads = {"__pad__", *(f"__pad__/{k}" for k in arrays)}
+    assert {"__count__", *arrays} <= keys <= {"__count__", *arrays, *pads}
+
+
+def test_lattice_is_refused_where_it_costs_too_much():
+    # A sample size with no divisor between 256 and 4096 bytes (3137 is prime).
+    assert plan_lattice([FeatureSpec("x", "", "uint8", (3137,))], 1 << 20) is None
+    # Variable-length features.
+    assert plan_lattice([FeatureSpec("x", "", "int32", (), "ragged")], 1 << 20) is None
+    # Records too small for the padding (a period of 4096 bytes in 16 KB records).
+    assert plan_lattice([FeatureSpec("x", "", "uint8", (4096,))], 16 << 10) is None
+    assert plan_lattice([FeatureSpec("x", "", "uint8", (4096,))], 1 << 20) is not None
+    # Large samples are several rows of at most 4 KB.
+    lat = plan_lattice([FeatureSpec("x", "", "float32", (64, 64, 3))], 1 << 20)
+    assert lat is not None and lat.rows == {"x": 4096}
+
+
+def _write(directory, x, y, **kw):
+    kw.setdefault("verbose", 0)
+    return ArraysToRecords.from_arrays(x, y, str(directory), **kw)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """1,003 class-sorted samples written twice: on the lattice and in the plain layout."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1003, 12, 12)).astype(np.float32)
+    y = np.repeat(np.arange(10, dtype=np.int32), 101)[:1003]
+    kw = {"record_size": "64KB", "min_shards": 3}
+    lat = _write(tmp_path / "lattice", x, y, **kw)
+    plain = _write(tmp_path / "plain", x, y, lattice=False, **kw)
+    assert lat.lattice is not None and plain.lattice is None
+    assert len(lat.shards) >= 3 and len(plain.shards) >= 3
+    return str(tmp_path / "lattice"), str(tmp_path / "plain"), x, y
+
+
+def _batches(source):
+    return [tuple(t.numpy() for t in batch) for batch in source]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"shuffle": True, "seed": 4},
+        {"shuffle": False},
+        {"shuffle": True, "seed": 4, "drop_remainder": True},
+        {"shuffle": True, "seed": 4, "validation_split": 0.1, "subset": "validation"},
+        {"shuffle": True, "seed": 4, "validation_split": 0.1, "subset": "training"},
+        {"shuffle": True, "seed": 4, "num_workers": 3, "worker_index": 1},
+    ],
+)
+def test_lattice_batches_are_the_plain_layouts_bit_for_bit(pair, kw):
+    lat, plain, x, y = pair
+    a = TFRecordSequenceSource(lat, batch_size=64, **kw)
+    b = TFRecordSequenceSource(plain, batch_size=64, **kw)
+    assert a._manifest.lattice is not None and a._access == "samples"
+    for epoch in range(2):
+        got, want = _batches(a), _batches(b)
+        assert len(got) == len(want) == len(a)
+        for (gx, gy), (wx, wy) in zip(got, want):
+            assert gx.dtype == np.float32 and gx.shape[1:] == (12, 12)
+            assert gx.tobytes() == wx.tobytes() and gy.tobytes() == wy.tobytes()
+        # And they are the written samples, in the source's documented order.
+        ids = a.sample_order(epoch)
+        gx = np.concatenate([g[0] for g in got])
+        assert gx.tobytes() == x[ids[: len(gx)]].tobytes()
+        assert np.concatenate([g[1] for g in got]).tobytes() == y[ids[: len(gx)]].tobytes()
+    # The NumPy iterator reads the lattice data set the same way.
+    a.set_epoch(0)
+    again = _batches(TFRecordSequenceSource(plain, batch_size=64, **kw))
+    for (gx, gy), (wx, wy) in zip(a.as_numpy_iterator(), again, strict=True):
+        assert gx.tobytes() == wx.tobytes() and gy.tobytes() == wy.tobytes()
+
+
+def test_block_mode_reads_a_lattice_data_set(pair):
+    lat, _, x, y = pair
+    src = TFRecordSequenceSource(lat, batch_size=50, access="blocks", shuffle=False)
+    xs, ys = zip(*_batches(src))
+    assert np.concatenate(xs).tobytes() == x.tobytes()
+    assert np.concatenate(ys).tobytes() == y.tobytes()
+
+
+def test_a_short_last_record_as_long_as_a_full_one(tmp_path):
+    """With float32 (8,) and int64 labels in records of 92, a record of 91 samples pads
+    to a full record's length: block mode tells them apart by the count field."""
+    specs = [FeatureSpec("x", "", "float32", (8,)), FeatureSpec("y", "", "int64", ())]
+    enc = BlockEncoder(specs, plan_lattice(specs, 1 << 20))
+    assert enc.fixed_layout(91)[2] == enc.fixed_layout(92)[2]
+    x = np.arange((92 * 3 + 91) * 8, dtype=np.float32).reshape(-1, 8)
+    y = np.arange(len(x), dtype=np.int64)
+    m = _write(tmp_path / "ds", x, y, samples_per_record=92)
+    assert m.lattice is not None and m.total_samples % 92 == 91
+    for access in ("blocks", "samples"):
+        src = TFRecordSequenceSource(
+            str(tmp_path / "ds"), batch_size=100, access=access, shuffle=False
+        )
+        xs, ys = zip(*_batches(src))
+        assert np.concatenate(xs).tobytes() == x.tobytes(), access
+        assert np.concatenate(ys).tobytes() == y.tobytes(), access
+
+
+def test_lattice_false_and_compression_write_the_plain_layout(tmp_path):
+    x = np.zeros((600, 256), np.float32)
+    assert _write(tmp_path / "a", x, None).lattice is not None
+    assert _write(tmp_path / "b", x, None, lattice=False).lattice is None
+    assert _write(tmp_path / "c", x, None, compression="GZIP").lattice is None
+    # Small records: the padding would pass 1/16 of a record.
+    assert _write(tmp_path / "d", x, None, samples_per_record=2).lattice is None
+    with pytest.raises(TypeError, match="lattice"):
+        _write(tmp_path / "e", x, None, lattice="yes")
+
+
+def test_manifest_keeps_and_checks_the_lattice(pair):
+    lat, _, _, _ = pair
+    m = Manifest.load(lat)
+    with open(os.path.join(lat, "manifest.json")) as f:
+        obj = json.load(f)
+    assert obj["lattice"] == m.lattice.to_json()
+    assert Lattice.from_json(obj["lattice"]) == m.lattice
+    for bad in (
+        {"period": 100, "rows": {"x": 4, "y": 4}},  # not a multiple of 64
+        {"period": 64, "rows": {"x": 48, "y": 4}},  # 48 does not divide 64
+        {"period": 64, "rows": {"x": 64}},  # a feature missing
+        "64",
+    ):
+        obj2 = dict(obj, lattice=bad)
+        with pytest.raises(ManifestError, match="lattice"):
+            Manifest.from_json(obj2, source="test")
+
+
+def test_damaged_lattice_record_is_named_or_skipped(pair):
+    lat, _, x, _ = pair
+    m = Manifest.load(lat)
+    path = m.shard_path(m.shards[1])
+    frame = framing.frame_size(m.record_bytes)
+    with open(path, "r+b") as f:  # a byte of record 2's payload
+        f.seek(2 * frame + frame // 2)
+        b = f.read(1)
+        f.seek(2 * frame + frame // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    src = TFRecordSequenceSource(lat, batch_size=64, shuffle=True, seed=1)
+    with pytest.raises(
+        CorruptRecordError, match=f"{os.path.basename(path)}.*byte offset {2 * frame}"
+    ):
+        _batches(src)
+    skip = TFRecordSequenceSource(lat, batch_size=64, shuffle=True, seed=1, on_corrupt="skip")
+    got = _batches(skip)
+    assert len(got) == len(skip)
+    assert sum(len(g[0]) for g in got) == len(x)
+    # No sample of the damaged record is handed out.
+    first = m.shards[0].samples + 2 * m.samples_per_record
+    damaged = x[first : first + m.samples_per_record]
+    seen = np.concatenate([g[0] for g in got]).reshape(len(x), -1)
+    rows = {r.tobytes() for r in seen}
+    assert not any(d.tobytes() in rows for d in damaged.reshape(len(damaged), -1))
+    assert skip.corrupt_records == 1
+
+
+def test_lattice_reader_copies_no_data_set_into_memory(tmp_path, run_script):
+    """The tensors TensorFlow gathers from alias the mapped shards: reading a 256 MB data
+    set grows private memory by far less than its size."""
+    x = np.lib.format.open_memmap(str(tmp_path / "x.npy"), "w+", np.float32, (65536, 1024))
+    x[:] = 1.0
+    x.flush()
+    del x
+    script = """
+import sys, numpy as np
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+x = np.load(sys.argv[1], mmap_mode="r")
+m = ArraysToRecords.from_arrays(x, None, sys.argv[2], verbose=0)
+assert m.lattice is not None
+def anon():
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith("RssAnon")).split()[1]) // 1024
+src = TFRecordSequenceSource(sys.argv[2], batch_size=256, shuffle=True, seed=0)
+it = iter(src); next(it)
+before = anon()
+n = sum(int(b.shape[0]) for b in it) + 256
+print(n, anon() - before)
+"""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs /proc (Linux)")
+    out = run_script(script, str(tmp_path / "x.npy"), str(tmp_path / "ds")).split()
+    assert int(out[0]) == 65536
+    assert int(out[1]) < 96, f"private memory grew by {out[1]} MB reading 256 MB"
+
+
+def test_an_iterator_outlives_its_source(pair, run_script):
+    """The gather tensors keep the mapping alive: dropping the source (and collecting it)
+    under an open iterator does not unmap what the iterator reads."""
+    lat, _, x, _ = pair
+    script = """
+import gc, sys, numpy as np
+from keras_tfr import TFRecordSequenceSource
+src = TFRecordSequenceSource(sys.argv[1], batch_size=64, shuffle=False)
+it = iter(src)
+first = next(it)[0].numpy()
+del src
+gc.collect()
+rest = [b[0].numpy() for b in it]
+np.save(sys.argv[2], np.concatenate([first, *rest]))
+"""
+    out = os.path.join(os.path.dirname(lat), "out.npy")
+    run_script(script, lat, out)
+    assert np.load(out).tobytes() == x.tobytes()
