@@ -39,6 +39,7 @@ aliases the mapped files (see `keras_tfr.read.mapped`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -347,13 +348,14 @@ class BlockEncoder:
         """Pads each feature's payload to its alignment and the frame to the period.
 
         The Example's length field comes first and its size depends on the pads: tried
-        with each varint size until the sizes agree.
+        with each varint size until the sizes agree (at a varint boundary the pads can
+        flip the size back and forth: the last pad then grows by a period).
         """
         from keras_tfr.format import framing
 
         lattice = self.lattice
         assert lattice is not None
-        for length_bytes in range(1, 6):
+        for length_bytes, extra in itertools.product(range(1, 6), (0, 1, 2)):
             pos = framing.HEADER_BYTES + 1 + length_bytes + len(count_entry)
             entries = []
             for spec, (header, size) in zip(self.specs, plain):
@@ -369,7 +371,7 @@ class BlockEncoder:
                 entries.append(pad + header)
                 pos += len(pad) + size
             tail = b""
-            need = (-(pos + framing.FOOTER_BYTES)) % lattice.period
+            need = (-(pos + framing.FOOTER_BYTES)) % lattice.period + extra * lattice.period
             while need:
                 got = _pad_entry(PAD_KEY, need)
                 if got is not None:

@@ -533,7 +533,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self._mapped_plan = plan
         structure = self._structure_fn() if not self._decode else (lambda d: d)
         rows = opts.batch_size if opts.drop_remainder else None
+        region = None
         if m.lattice is not None:
+            try:
+                region = plan.lattice_tensors()
+            except Exception as e:  # a platform where DLPack cannot alias the mapping
+                log.warning(
+                    "keras-tfr: TensorFlow cannot gather from the mapped shards of %s "
+                    "(%s: %s); gathering in Python instead",
+                    opts.directory,
+                    type(e).__name__,
+                    e,
+                )
+        if region is not None:
             # TensorFlow gathers each batch from the mapped shards (`lattice_dataset`).
             def finish(u8: list[Any]) -> Any:
                 out = {}
@@ -542,7 +554,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                     out[s.key] = feature if rows is None else _rows(rows)(feature)
                 return structure(out)
 
-            return mapped.lattice_dataset(plan, self._clock.take, finish)
+            return mapped.lattice_dataset(plan, region, self._clock.take, finish)
         blocks = mapped.dataset(plan, self._clock.take)
         # Decoding (a reshape and a zero-copy bitcast) and Keras' structure are applied
         # once per block of batches, so each batch then costs only its slice.

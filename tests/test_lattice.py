@@ -281,3 +281,24 @@ np.save(sys.argv[2], np.concatenate([first, *rest]))
     out = os.path.join(os.path.dirname(lat), "out.npy")
     run_script(script, lat, out)
     assert np.load(out).tobytes() == x.tobytes()
+
+
+def test_without_dlpack_the_lattice_is_gathered_in_python(pair, monkeypatch, caplog):
+    """Where TensorFlow cannot alias the mapping, the source says so and reads the same
+    batches through the Python gather."""
+    from keras_tfr.read import mapped
+
+    lat, plain, _, _ = pair
+
+    def refuse(self):
+        raise BufferError("no DLPack here")
+
+    monkeypatch.setattr(mapped.MappedPlan, "lattice_tensors", refuse)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        got = _batches(TFRecordSequenceSource(lat, batch_size=64, seed=2))
+    assert "cannot gather from the mapped shards" in caplog.text
+    assert "BufferError: no DLPack here" in caplog.text
+    want = _batches(TFRecordSequenceSource(plain, batch_size=64, seed=2))
+    assert len(got) == len(want)
+    for (gx, gy), (wx, wy) in zip(got, want):
+        assert gx.tobytes() == wx.tobytes() and gy.tobytes() == wy.tobytes()

@@ -292,12 +292,12 @@ class MappedPlan:
         self.batch_bytes = batch_bytes = batch_size * sum(self.sample_bytes)
         self.unit_batches = max(1, min(self.num_batches, _UNIT_BYTES // max(1, batch_bytes)))
         self.unit_rows = self.unit_batches * batch_size
-        # A lattice unit holds row numbers, not data: larger units cost no memory and
-        # cut the per-unit overhead (a Python call, a slice of the order).
-        self.lattice_unit_rows = None
-        if lattice is not None:
-            batches = max(self.unit_batches, -(-_LATTICE_UNIT_ROWS // batch_size))
-            self.lattice_unit_rows = min(self.num_batches, batches) * batch_size
+        # When TensorFlow gathers (`lattice_dataset` sets ``tf_gathers``), a unit holds row
+        # numbers, not data: larger units cost no memory and cut the per-unit overhead
+        # (a Python call, a slice of the order).
+        self.tf_gathers = False
+        batches = max(self.unit_batches, -(-_LATTICE_UNIT_ROWS // batch_size))
+        self.lattice_unit_rows = min(self.num_batches, batches) * batch_size
         self.lattice = lattice
         self.full = _Layout(specs, self.spr, lattice)
         total_records = int(sum(self.shard_records))
@@ -371,7 +371,7 @@ class MappedPlan:
         key = (int(number), int(start_batch))
         with self._epochs_lock:
             epoch = self._epochs.pop(key, None) or Epoch(
-                self, *key, unit_rows=self.lattice_unit_rows
+                self, *key, unit_rows=self.lattice_unit_rows if self.tf_gathers else None
             )
             self._epochs[key] = epoch
             while len(self._epochs) > _EPOCHS_KEPT:
@@ -943,12 +943,13 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
 
 def lattice_dataset(
     plan: MappedPlan,
+    region: list[Any],
     next_epoch: Callable[[], tuple[int, int]],
     finish: Callable[[list[Any]], Any],
 ) -> Any:
     """A `tf.data.Dataset` of batches, for a data set written on a lattice: TensorFlow
     gathers each batch with `tf.gather` from tensors that alias the mapped shards
-    (`MappedPlan.lattice_tensors`), so no Python call and no buffer of ours is on a
+    (``region``, from `MappedPlan.lattice_tensors`), so no Python call and no buffer of ours is on a
     batch's path. Python runs once per unit of batches (8,192 samples or more),
     ``readers`` at a time: it works out the unit's samples (order, split, share), checks
     every record they touch, and hands over their row numbers.
@@ -964,7 +965,7 @@ def lattice_dataset(
     rows = plan.lattice_rows
     assert rows is not None
     n_specs = len(plan.specs)
-    region = plan.lattice_tensors()
+    plan.tf_gathers = True
 
     start = _epoch_starter(plan, next_epoch)
 
