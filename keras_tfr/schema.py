@@ -39,6 +39,7 @@ aliases the mapped files (see `keras_tfr.read.mapped`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -292,6 +293,7 @@ def plan_lattice(specs: list[FeatureSpec], record_bytes: int) -> Lattice | None:
     return Lattice(period=period, rows=rows)
 
 
+@functools.lru_cache(maxsize=1024)
 def _pad_entry(key: str, size: int) -> bytes | None:
     """A zero-filled bytes entry of exactly ``size`` bytes, or None when no payload length
     gives that size (the varint lengths grow by steps)."""
@@ -355,7 +357,9 @@ class BlockEncoder:
 
         lattice = self.lattice
         assert lattice is not None
-        for length_bytes, extra in itertools.product(range(1, 6), (0, 1, 2)):
+        # The pads only add bytes: the length field is at least the unpadded one's size.
+        least = len(_varint(len(count_entry) + sum(size for _, size in plain)))
+        for extra, length_bytes in itertools.product((0, 1, 2), range(least, 6)):
             pos = framing.HEADER_BYTES + 1 + length_bytes + len(count_entry)
             entries = []
             for spec, (header, size) in zip(self.specs, plain):

@@ -117,16 +117,23 @@ def _on_lattice(
         return None, spr
     padded = BlockEncoder(specs, lattice)
     sample_bytes = sum(s.sample_bytes for s in specs)
+    sizes: dict[int, int] = {}
+
+    def size(n: int) -> int:
+        if n not in sizes:
+            sizes[n] = padded.fixed_layout(n)[2]
+        return sizes[n]
+
     candidates = [spr]
     if options.samples_per_record is None and spr > 1:
         # The padding depends on where the last feature ends: of the sizes down to 7/8
         # of this one, the one with the least padding per sample.
         candidates = list(range(spr, max(1, spr - spr // 8) - 1, -1))
-    fits = [n for n in candidates if padded.fixed_layout(n)[2] + OVERHEAD <= options.shard_bytes]
+    fits = [n for n in candidates if size(n) + OVERHEAD <= options.shard_bytes]
     if not fits:
         return None, spr
-    best = min(fits, key=lambda n: (padded.fixed_layout(n)[2] - n * sample_bytes) / n)
-    padding = padded.fixed_layout(best)[2] - plain.fixed_layout(best)[2]
+    best = min(fits, key=lambda n: (size(n) - n * sample_bytes) / n)
+    padding = size(best) - plain.fixed_layout(best)[2]
     if padding * 16 > plain.fixed_layout(best)[2]:
         return None, spr
     return lattice, best
