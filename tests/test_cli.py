@@ -49,6 +49,23 @@ def test_info_does_not_import_tensorflow(make_dataset, small_xy):
     assert "samples     34" in r.stdout and "shard-00000.tfrecord" in r.stdout
 
 
+def test_info_names_the_layout(tmp_path):
+    from keras_tfr import ArraysToRecords
+    from keras_tfr.schema import BlockEncoder
+
+    x = np.zeros((600, 256), np.float32)
+    lat = ArraysToRecords.from_arrays(x, None, str(tmp_path / "lat"), verbose=0)
+    ArraysToRecords.from_arrays(x, None, str(tmp_path / "plain"), verbose=0, lattice=False)
+    plain_bytes = BlockEncoder(lat.features).fixed_layout(lat.samples_per_record)[2]
+    share = (lat.record_bytes - plain_bytes) / plain_bytes
+    r = run("info", str(tmp_path / "lat"))
+    assert r.returncode == 0, r.stderr
+    assert f"layout      lattice (period {lat.lattice.period} B; rows: x 1024 B;" in r.stdout
+    assert f"padding {share:.1%})" in r.stdout
+    r = run("info", str(tmp_path / "plain"))
+    assert "layout      plain" in r.stdout
+
+
 @pytest.mark.slow
 def test_convert_info_verify_bench(tmp_path):
     rng = np.random.default_rng(0)

@@ -192,6 +192,18 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _layout(m: Any) -> str:
+    """The record layout in words: plain, or the lattice and what its padding costs."""
+    if m.lattice is None:
+        return "plain"
+    from keras_tfr.schema import BlockEncoder
+
+    plain = BlockEncoder(m.features).fixed_layout(m.samples_per_record)[2]
+    padding = (m.record_bytes - plain) / max(1, plain)
+    rows = ", ".join(f"{k} {v} B" for k, v in sorted(m.lattice.rows.items()))
+    return f"lattice (period {m.lattice.period} B; rows: {rows}; padding {padding:.1%})"
+
+
 def run_info(args: argparse.Namespace) -> int:
     from keras_tfr.manifest import Manifest
 
@@ -205,6 +217,7 @@ def run_info(args: argparse.Namespace) -> int:
         f"{m.writer_version} {m.created}",
         f"samples     {m.total_samples}",
         f"records     {m.total_records} ({m.samples_per_record} samples per record)",
+        f"layout      {_layout(m)}",
         f"shards      {len(m.shards)}",
         f"size        {_fmt_bytes(m.total_bytes)} on disk"
         + (f", {m.compression} compressed" if m.compression else ""),
