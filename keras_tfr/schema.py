@@ -276,7 +276,8 @@ _MAX_PERIOD = 1 << 20
 def plan_lattice(specs: list[FeatureSpec], record_bytes: int) -> Lattice | None:
     """The lattice for records of about ``record_bytes``, or None where it costs too much:
     a feature that is not fixed-size, a sample size without a divisor between 256 and 4096
-    bytes (a large prime, say), or padding above 1/16 of a record."""
+    bytes (a large prime, say), or a period above 1/16 of a record (the writer also
+    refuses a lattice whose actual padding passes 1/16, `keras_tfr.write.plan`)."""
     if not specs or any(s.kind != "fixed" or s.sample_bytes <= 0 for s in specs):
         return None
     rows = {}
@@ -287,8 +288,8 @@ def plan_lattice(specs: list[FeatureSpec], record_bytes: int) -> Lattice | None:
             return None
         rows[s.key] = row
     period = math.lcm(_PAYLOAD_ALIGN, *rows.values())
-    worst = period + sum(math.lcm(_PAYLOAD_ALIGN, r) for r in rows.values())
-    if period > _MAX_PERIOD or worst * 16 > max(record_bytes, 1):
+    # The last pad alone can take a period; the writer checks the padding it gets.
+    if period > _MAX_PERIOD or period * 16 > max(record_bytes, 1):
         return None
     return Lattice(period=period, rows=rows)
 

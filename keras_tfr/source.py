@@ -547,10 +547,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 )
         if region is not None:
             # TensorFlow gathers each batch from the mapped shards (`lattice_dataset`).
-            def finish(u8: list[Any]) -> Any:
+            def finish(features: list[Any]) -> Any:
                 out = {}
-                for s, t in zip(specs, u8):
-                    feature = tf.reshape(tf_bytes_to_feature(t, s), [-1, *s.shape])
+                for s, feature in zip(specs, features):
                     out[s.key] = feature if rows is None else _rows(rows)(feature)
                 return structure(out)
 

@@ -310,3 +310,35 @@ def test_without_dlpack_the_lattice_is_gathered_in_python(pair, monkeypatch, cap
     assert len(got) == len(want)
     for (gx, gy), (wx, wy) in zip(got, want):
         assert gx.tobytes() == wx.tobytes() and gy.tobytes() == wy.tobytes()
+
+
+def test_every_dtype_reads_back_through_the_lattice(tmp_path):
+    """Typed tensors where a row is whole items; uint8 rows and a bitcast for `bool` and
+    where it is not (float64 x 625 = 5,000 bytes: rows of 2,500 bytes)."""
+    rng = np.random.default_rng(7)
+    n = 700
+    x = {
+        "f16": rng.standard_normal((n, 50)).astype(np.float16),
+        "f64": rng.standard_normal((n, 625)),
+        "i8": rng.integers(-128, 128, (n, 500)).astype(np.int8),
+        "u16": rng.integers(0, 65535, (n, 10, 10)).astype(np.uint16),
+        "b": rng.random((n, 250)) < 0.5,
+    }
+    y = rng.integers(0, 10, n).astype(np.int64)
+    m = _write(tmp_path / "ds", x, y)
+    assert m.lattice is not None and m.lattice.rows["x/f64"] == 2500
+    src = TFRecordSequenceSource(str(tmp_path / "ds"), batch_size=128, shuffle=False)
+    assert src.access == "samples"
+    got = _batches_dict(src)
+    for key, arr in x.items():
+        assert got[0][key].dtype == arr.dtype
+        assert got[0][key].tobytes() == arr.tobytes(), key
+    assert got[1].tobytes() == y.tobytes()
+
+
+def _batches_dict(source):
+    xs, ys = [], []
+    for bx, by in source:
+        xs.append({k: v.numpy() for k, v in bx.items()})
+        ys.append(by.numpy())
+    return {k: np.concatenate([b[k] for b in xs]) for k in xs[0]}, np.concatenate(ys)

@@ -78,7 +78,7 @@ import numpy as np
 from keras_tfr import _crc
 from keras_tfr.format import framing
 from keras_tfr.read.order import SampleOrder
-from keras_tfr.schema import BlockEncoder, FeatureSpec, Lattice
+from keras_tfr.schema import BlockEncoder, FeatureSpec, Lattice, tf_bytes_to_feature
 
 _ALIGN = 64  # TensorFlow adopts a NumPy buffer without copying when it is aligned
 _UNIT_BYTES = 8 << 20  # what one unit holds: several batches
@@ -541,8 +541,10 @@ class MappedPlan:
         return [self.lattice.rows[s.key] for s in self.specs]
 
     def lattice_tensors(self) -> list[Any]:
-        """Per feature, the whole region as a ``[rows, row_bytes]`` uint8 `tf.Tensor`
-        that aliases the mapped shards (no copy; it keeps the mapping alive).
+        """Per feature, the whole region as a ``[rows, row_bytes / itemsize]`` `tf.Tensor`
+        in the feature's dtype (``[rows, row_bytes]`` uint8 for ``bool`` and where a row is
+        not whole items) that aliases the mapped shards (no copy; it keeps the mapping
+        alive). Little-endian, as the records are: on a big-endian host, uint8.
 
         Made through DLPack, the one way to an eager tensor over memory TensorFlow does
         not own (`tf.constant` copies; so does `tf.numpy_function` run eagerly). DLPack
@@ -559,8 +561,10 @@ class MappedPlan:
         pinned = np.frombuffer(memoryview(buf), dtype=np.uint8).view(_Pinned)
         pinned.region = region
         out = []
-        for g in rows:
+        for g, spec in zip(rows, self.specs):
             view = pinned[: len(pinned) // g * g].reshape(-1, g)
+            if _typed(spec, g):
+                view = view.view(spec.np_dtype)
             out.append(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
         return out
 
@@ -941,6 +945,11 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(iterator)
 
 
+def _typed(spec: FeatureSpec, row_bytes: int) -> bool:
+    """Whether `MappedPlan.lattice_tensors` gives ``spec``'s tensor in its own dtype."""
+    return sys.byteorder == "little" and spec.dtype != "bool" and row_bytes % spec.itemsize == 0
+
+
 def lattice_dataset(
     plan: MappedPlan,
     region: list[Any],
@@ -954,11 +963,11 @@ def lattice_dataset(
     ``readers`` at a time: it works out the unit's samples (order, split, share), checks
     every record they touch, and hands over their row numbers.
 
-    ``finish`` turns one batch, a list of uint8 ``[rows, sample_bytes]`` tensors (one per
-    spec, in ``plan.specs`` order), into the element the caller wants. Each iterator asks
-    for its epoch when its first element is pulled, as `dataset` does. Every function
-    sits in the outer pipeline (none inside the `flat_map`), so TensorFlow prepares them
-    once per iterator, not again when each epoch starts.
+    ``finish`` turns one batch, a list of ``[rows, *shape]`` tensors in each feature's
+    dtype (one per spec, in ``plan.specs`` order), into the element the caller wants.
+    Each iterator asks for its epoch when its first element is pulled, as `dataset`
+    does. Every function sits in the outer pipeline (none inside the `flat_map`), so
+    TensorFlow prepares them once per iterator, not again when each epoch starts.
     """
     import tensorflow as tf
 
@@ -986,12 +995,14 @@ def lattice_dataset(
         return tuple(tf.ensure_shape(o, [None, None]) for o in out)
 
     def gather(*batch_rows: Any) -> Any:
-        return finish(
-            [
-                tf.reshape(tf.gather(view, r), [-1, sb])
-                for view, r, sb in zip(region, batch_rows, plan.sample_bytes)
-            ]
-        )
+        out = []
+        for view, r, spec, g in zip(region, batch_rows, plan.specs, rows):
+            got = tf.gather(view, r)
+            if _typed(spec, g):  # already the feature's dtype: one reshape
+                out.append(tf.reshape(got, [-1, *spec.shape]))
+            else:
+                out.append(tf_bytes_to_feature(tf.reshape(got, [-1, spec.sample_bytes]), spec))
+        return finish(out)
 
     return (
         tf.data.Dataset.from_tensors(np.int64(0))
