@@ -244,7 +244,7 @@ from keras_tfr import TFRecordSequenceSource
 src = TFRecordSequenceSource(sys.argv[1], batch_size=256, seed=0)
 assert src.access == "samples"
 faults = []
-for _ in range(4):
+for _ in range(6):
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for x, y in src.as_numpy_iterator():
         x.sum()
@@ -264,6 +264,9 @@ def test_numpy_batches_reuse_freed_memory(tmp_path, run_script):
     d = str(tmp_path / "ds")
     x = np.random.default_rng(0).random((n, 28, 28, 1), dtype=np.float32)
     ArraysToRecords.from_arrays(x, np.arange(n, dtype=np.int32) % 10, d, verbose=0)
-    faults = [int(v) for v in run_script(_HEAP_SCRIPT, d).split()[-4:]]
+    faults = [int(v) for v in run_script(_HEAP_SCRIPT, d).split()[-6:]]
     batch_pages = (n // 256) * (256 * 28 * 28 * 4 // 4096)  # pages of one epoch's x
+    # The fewest of epochs 3-6: the kernel may unmap some of the just-written shards'
+    # page-cache pages once (a few thousand refaults seen in one epoch under a busy
+    # suite), which says nothing about the heap.
     assert min(faults[2:]) < batch_pages // 10, faults
