@@ -569,7 +569,7 @@ class MappedPlan:
         return out
 
     def rows(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Per feature, the rows of `lattice_views` that hold the samples ``ids``
+        """Per feature, the rows of `lattice_tensors` that hold the samples ``ids``
         (``[len(ids) * rows_per_sample]`` int64, sample by sample)."""
         rows = self.lattice_rows
         assert rows is not None
@@ -685,7 +685,7 @@ class Epoch:
 
     def row_block(self, i: int) -> list[np.ndarray]:
         """Unit ``i`` as lattice rows: per feature ``[batches, rows of a batch]`` int64
-        indices into `MappedPlan.lattice_views`, for TensorFlow to gather; every record
+        indices into `MappedPlan.lattice_tensors`, for TensorFlow to gather; every record
         they touch has passed its checks."""
         lo, hi = self.span(i)
         ids = self.plan.good_samples(self._ids(lo, hi), self.number, i)
