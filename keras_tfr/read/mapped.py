@@ -192,8 +192,10 @@ class _Region:
         self.signatures: list[tuple[int, int, int] | None] = [None] * len(files)
         for k in range(len(files)):
             self.map(k)
-        buf = (ctypes.c_uint8 * self.total).from_address(self.base)
-        self.array = np.frombuffer(memoryview(buf), dtype=np.uint8)
+        # Writable only as far as NumPy knows (the pages are mapped read-only): what
+        # `MappedPlan.lattice_tensors` hands to DLPack, which cannot say "read-only".
+        self.buffer = (ctypes.c_uint8 * self.total).from_address(self.base)
+        self.array = np.frombuffer(memoryview(self.buffer), dtype=np.uint8)
         self.array.flags.writeable = False
 
     def map(self, k: int) -> None:
@@ -292,10 +294,9 @@ class MappedPlan:
         self.batch_bytes = batch_bytes = batch_size * sum(self.sample_bytes)
         self.unit_batches = max(1, min(self.num_batches, _UNIT_BYTES // max(1, batch_bytes)))
         self.unit_rows = self.unit_batches * batch_size
-        # When TensorFlow gathers (`lattice_dataset` sets ``tf_gathers``), a unit holds row
-        # numbers, not data: larger units cost no memory and cut the per-unit overhead
-        # (a Python call, a slice of the order).
-        self.tf_gathers = False
+        # When TensorFlow gathers (`lattice_dataset`), a unit holds row numbers, not data:
+        # larger units cost no memory and cut the per-unit overhead (a Python call, a
+        # slice of the order).
         batches = max(self.unit_batches, -(-_LATTICE_UNIT_ROWS // batch_size))
         self.lattice_unit_rows = min(self.num_batches, batches) * batch_size
         self.lattice = lattice
@@ -360,7 +361,7 @@ class MappedPlan:
             if self.verify == "every_epoch":
                 self.state[self.state == 1] = 0
 
-    def epoch(self, number: int, start_batch: int) -> Epoch:
+    def epoch(self, number: int, start_batch: int, unit_rows: int | None = None) -> Epoch:
         """The `Epoch` that tf.data's units of epoch ``number`` come from.
 
         Units are pure functions of ``(epoch, first batch, unit)``; the `Epoch` object
@@ -370,9 +371,7 @@ class MappedPlan:
         """
         key = (int(number), int(start_batch))
         with self._epochs_lock:
-            epoch = self._epochs.pop(key, None) or Epoch(
-                self, *key, unit_rows=self.lattice_unit_rows if self.tf_gathers else None
-            )
+            epoch = self._epochs.pop(key, None) or Epoch(self, *key, unit_rows=unit_rows)
             self._epochs[key] = epoch
             while len(self._epochs) > _EPOCHS_KEPT:
                 del self._epochs[next(iter(self._epochs))]
@@ -557,8 +556,7 @@ class MappedPlan:
         rows = self.lattice_rows
         assert rows is not None
         region = self.region()
-        buf = (ctypes.c_uint8 * region.total).from_address(region.base)
-        pinned = np.frombuffer(memoryview(buf), dtype=np.uint8).view(_Pinned)
+        pinned = np.frombuffer(memoryview(region.buffer), dtype=np.uint8).view(_Pinned)
         pinned.region = region
         out = []
         for g, spec in zip(rows, self.specs):
@@ -888,7 +886,7 @@ _quiet_at_exit = _QuietAtExit()
 
 
 def _epoch_starter(
-    plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]
+    plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]], unit_rows: int | None = None
 ) -> Callable[[Any], np.ndarray]:
     """The Python call that starts each tf.data iterator: takes its ``(epoch, first
     batch)``, looks for shards changed on disk, and returns ``[epoch, first batch,
@@ -899,7 +897,7 @@ def _epoch_starter(
         with _quiet_at_exit.call():
             number, start_batch = next_epoch()
             plan.begin_epoch()
-            units = plan.epoch(number, start_batch).num_units
+            units = plan.epoch(number, start_batch, unit_rows).num_units
             return np.array([number, start_batch, units], dtype=np.int64)
 
     return start
@@ -974,13 +972,12 @@ def lattice_dataset(
     rows = plan.lattice_rows
     assert rows is not None
     n_specs = len(plan.specs)
-    plan.tf_gathers = True
-
-    start = _epoch_starter(plan, next_epoch)
+    unit_rows = plan.lattice_unit_rows
+    start = _epoch_starter(plan, next_epoch, unit_rows)
 
     def row_block(info: np.ndarray, i: Any) -> list[np.ndarray]:
         with _quiet_at_exit.call():
-            return plan.epoch(int(info[0]), int(info[1])).row_block(int(i))
+            return plan.epoch(int(info[0]), int(info[1]), unit_rows).row_block(int(i))
 
     def epoch(unused: Any) -> Any:
         info = tf.numpy_function(start, [unused], tf.int64, stateful=True)
