@@ -991,9 +991,9 @@ def lattice_dataset(
         out = tf.numpy_function(row_block, [info, i], [tf.int64] * n_specs, stateful=True)
         return tuple(tf.ensure_shape(o, [None, None]) for o in out)
 
-    def gather(*batch_rows: Any) -> Any:
+    def gather(batch_rows: Any, views: Any) -> Any:
         out = []
-        for view, r, spec, g in zip(region, batch_rows, plan.specs, rows):
+        for view, r, spec, g in zip(views, batch_rows, plan.specs, rows):
             got = tf.gather(view, r)
             if _typed(spec, g):  # already the feature's dtype: one reshape
                 out.append(tf.reshape(got, [-1, *spec.shape]))
@@ -1001,12 +1001,17 @@ def lattice_dataset(
                 out.append(tf_bytes_to_feature(tf.reshape(got, [-1, spec.sample_bytes]), spec))
         return finish(out)
 
-    return (
+    batches = (
         tf.data.Dataset.from_tensors(np.int64(0))
         .map(epoch)
         .flat_map(units)
         .map(unit, num_parallel_calls=plan.readers, deterministic=True)
         # `unbatch` costs less per batch than a `flat_map` of `from_tensor_slices`.
         .unbatch()
-        .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    )
+    # The mapped tensors travel with each element, as Keras' in-memory arrays do, rather
+    # than as captured inputs of `gather`.
+    views = tf.data.Dataset.from_tensors(tuple(region)).repeat()
+    return tf.data.Dataset.zip((batches, views)).map(
+        gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
     )
