@@ -82,6 +82,8 @@ READ_PIPELINES = [
     "tf-save-load",
     "raw-read",
     "memmap-threads",
+    "keras-arrays",
+    "tf-data-floor",
 ]
 FIT_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset", "tutorial"]
 WRITE_PIPELINES = ["keras-tfr", "np.save", "tutorial"]
@@ -99,6 +101,8 @@ LABELS = {
     "np.save": "np.save from memmap (limit)",
     "memmap-threads": "memmap + threads (sorted gather)",
     "memmap-pydataset": "memmap + PyDataset(workers=4)",
+    "keras-arrays": "Keras' tf.data for in-memory arrays",
+    "tf-data-floor": "tf.data floor (one batch repeated)",
 }
 
 
@@ -367,6 +371,25 @@ def _tf_read_pipeline(p: dict[str, str], pipeline: str, shape: tuple[int, ...]):
         x, y = _load_xy(p, in_memory=True)
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         return ds.shuffle(TUTORIAL_SHUFFLE, seed=0).batch(BATCH).prefetch(autotune)
+    if pipeline == "keras-arrays":
+        # The tf.data pipeline `model.fit(x, y, shuffle=True)` builds from in-memory arrays
+        # (TensorFlow backend): a permutation, then a parallel `tf.gather` per batch.
+        from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+        x, y = _load_xy(p, in_memory=True)
+        return ArrayDataAdapter(x, y, batch_size=BATCH, shuffle=True).get_tf_dataset()
+    if pipeline == "tf-data-floor":
+        # Nothing to read: one batch handed out as often as an epoch has batches. What a
+        # Python loop over any tf.data pipeline costs per batch, whatever it reads.
+        x, y = _load_xy(p)
+        n = int(y.shape[0])
+        one = (tf.constant(np.asarray(x[:BATCH])), tf.constant(np.asarray(y[:BATCH])))
+        steps = n // BATCH
+        last = n - steps * BATCH
+        ds = tf.data.Dataset.from_tensors(one).repeat(steps)
+        if last:
+            ds = ds.concatenate(tf.data.Dataset.from_tensors((one[0][:last], one[1][:last])))
+        return ds.prefetch(autotune)
     if pipeline == "tf-save-load":
         _warm(p["tfsave"])
         ds = tf.data.Dataset.load(p["tfsave"])
