@@ -20,12 +20,16 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The suite in 2 processes (pytest-xdist), a test file each at a time: most of its time is
+# subprocesses starting TensorFlow, JAX or torch, which leave a core idle. CI has 2 cores.
+PYTEST_WORKERS ?= 2
+
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) docs/build_api.py
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

@@ -107,7 +107,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for op in ("write keras-tfr", "read keras-tfr"):
         one = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 1]
         four = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 4]
-        for key, what in (("peak_rss_mb", "peak RSS"), ("peak_private_mb", "peak private memory")):
+        for key, what in (
+            ("peak_rss_mb", "peak RSS"),
+            ("peak_private_mb", "peak private memory"),
+            ("peak_heap_mb", "peak heap in use"),
+        ):
             if one and four and key in one[0] and key in four[0]:
                 ratio = four[0][key] / one[0][key]
                 out.append(
@@ -160,7 +164,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
                     f"{r['mb_per_s']:,.0f}" if eps else "-",
                     f"{r.get('peak_rss_mb', 0):,.0f}",
                     "-",
-                    f"private {r.get('peak_private_mb', 0):,.0f} MB",
+                    f"private {r.get('peak_private_mb', 0):,.0f} MB"
+                    + (f", heap in use {r['peak_heap_mb']:,.0f} MB" if "peak_heap_mb" in r else ""),
                 ]
             )
     return out

@@ -525,17 +525,23 @@ def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[s
 
 
 class _PrivatePeak:
-    """Peak private (anonymous) memory, sampled every 20 ms from /proc/self/status.
+    """Peak private (anonymous) memory and peak heap in use, sampled every 20 ms.
 
     ``ru_maxrss`` also counts the pages of memory-mapped files a process touched: page
     cache, shared and reclaimable, which grows with the data a memory map reads (sample
-    mode, and the memmap peers). Private memory is what the process itself allocates.
+    mode, and the memmap peers). Private memory (``RssAnon`` in /proc/self/status) is
+    what the process itself allocates, including what glibc's malloc keeps of freed
+    memory for reuse. The heap in use (glibc's ``mallinfo2()``: bytes handed out and not
+    freed, in its arenas and in its own memory maps) leaves that retention out: the
+    live allocations alone (0 where ``mallinfo2`` is missing).
     """
 
     def __init__(self) -> None:
         import threading
 
         self.peak_kb = 0
+        self.peak_heap = 0
+        self._mallinfo = mallinfo2()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -551,14 +557,53 @@ class _PrivatePeak:
             pass
         return 0
 
+    def heap_now(self) -> int:
+        if self._mallinfo is None:
+            return 0
+        info = self._mallinfo()
+        return int(info.uordblks + info.hblkhd)
+
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             self.peak_kb = max(self.peak_kb, self.now_kb())
+            self.peak_heap = max(self.peak_heap, self.heap_now())
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """(peak private MB, peak heap in use MB)."""
         self._stop.set()
         self._thread.join()
-        return max(self.peak_kb, self.now_kb()) / 1024.0
+        heap = max(self.peak_heap, self.heap_now())
+        return max(self.peak_kb, self.now_kb()) / 1024.0, heap / (1 << 20)
+
+
+def mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (2.33 and later) through ctypes, or None."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in [
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            ]
+        ]
+
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    fn.argtypes = []
+    return fn
 
 
 def worker_main(argv: list[str]) -> None:
@@ -580,7 +625,9 @@ def worker_main(argv: list[str]) -> None:
     else:
         raise ValueError(kind)
     result["peak_rss_mb"] = _maxrss_mb()
-    result["peak_private_mb"] = private.stop()
+    result["peak_private_mb"], heap = private.stop()
+    if heap:
+        result["peak_heap_mb"] = heap
     print("@@RESULT " + json.dumps(result), flush=True)
 
 
