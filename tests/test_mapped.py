@@ -405,3 +405,38 @@ def test_a_program_exits_cleanly_with_an_iterator_open(tmp_path, run_script, how
     ArraysToRecords.from_arrays(x, np.arange(n, dtype=np.int32) % 10, d, verbose=0)
     for _ in range(2):
         assert run_script(_EXIT_SCRIPT, d, how, timeout=60).split()[-1] == "exiting"
+
+
+def _prefetch_depths(ds) -> list[int]:
+    """The buffer size of every `prefetch` in a data set's graph (-1: AUTOTUNE).
+
+    Reads the serialized graph (`_as_serialized_graph`, the graph tf.data itself saves and
+    sends to the tf.data service): TensorFlow has no public way to look inside a pipeline.
+    """
+    graph = tf.compat.v1.GraphDef()
+    ignore = tf.data.experimental.ExternalStatePolicy.IGNORE
+    graph.ParseFromString(ds._as_serialized_graph(external_state_policy=ignore).numpy())
+    nodes = {n.name: n for n in graph.node}
+    depths = []
+    for node in graph.node:
+        if node.op == "PrefetchDataset":
+            const = nodes[node.input[1].split(":")[0]]
+            depths.append(int(tf.make_ndarray(const.attr["value"].tensor)))
+    return depths
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "depth"),
+    [(1, 32), (2_000, 32), (15_000, 8), (1_000_000, 2)],  # 264 B a sample: 32 MB of batches
+)
+def test_sample_mode_prefetches_a_bounded_number_of_batches(tmp_path, batch_size, depth):
+    """AUTOTUNE grows a prefetch buffer as long as an epoch runs (up to half the RAM), so
+    a larger data set held more batches; sample mode prefetches 32 MB of batches (2 to 32)."""
+    d = str(tmp_path / "ds")
+    x = np.zeros((50, 64), np.float32)
+    ArraysToRecords.from_arrays(x, np.arange(50, dtype=np.int64), d, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=batch_size)
+    assert src.access == "samples"
+    assert _prefetch_depths(src) == [depth]
+    blocks = TFRecordSequenceSource(d, batch_size=batch_size, access="blocks")
+    assert -1 in _prefetch_depths(blocks)  # block mode keeps AUTOTUNE (bursty pools)
