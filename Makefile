@@ -20,8 +20,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# The suite in 2 processes (pytest-xdist), a test file each at a time: most of its time is
-# subprocesses starting TensorFlow, JAX or torch, which leave a core idle. CI has 2 cores.
+# The suite in 2 worker processes (pytest-xdist), one test file per worker at a time: most of
+# its time is subprocesses starting TensorFlow, JAX or torch, which leave a core idle. CI has
+# 2 cores.
 PYTEST_WORKERS ?= 2
 
 test: $(VENV)/.installed-dev
