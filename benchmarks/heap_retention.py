@@ -36,11 +36,9 @@ PIPELINES = ("keras-tfr", "keras-arrays", "keras-tfr numpy")
 
 
 def _private_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    from run_all import _PrivatePeak  # benchmarks/run_all.py
+
+    return _PrivatePeak.now_kb() / 1024
 
 
 def worker(data: str, pipeline: str, epochs: int) -> None:
