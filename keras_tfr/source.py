@@ -583,7 +583,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return blocks.map(decode).flat_map(cut)
 
     def _prefetch_batches(self) -> int:
-        """Sample mode's prefetch depth: `_PREFETCH_BYTES` of batches, 2 to 32 of them."""
+        """Sample mode's prefetch depth: `_PREFETCH_BYTES` of batches, in `_PREFETCH_BATCHES`."""
         lo, hi = _PREFETCH_BATCHES
         batch_bytes = max(1, self.batch_size * self._manifest.sample_bytes)
         return max(lo, min(hi, _PREFETCH_BYTES // batch_bytes))
