@@ -1,19 +1,24 @@
-"""`fit` under Keras' JAX or torch backend: keras-tfr against in-memory NumPy, side by side.
+"""`fit` under one Keras backend: keras-tfr against in-memory NumPy, side by side.
 
 Three pipelines, each in its own process (the backend is fixed when Keras is imported),
-run in interleaved rounds, each reporting its fastest epoch after the first:
+run in interleaved rounds, each reporting its fastest epoch after the first and the
+CPU-seconds (all threads) that epoch took:
 
 * ``numpy``: ``model.fit(x, y, batch_size=256, shuffle=True)`` on arrays in RAM;
 * ``keras-tfr``: ``model.fit(source)`` with a sample-mode `TFRecordSequenceSource`, which
   Keras reads through `as_numpy_iterator` (``keras_tfr/_compat/keras_numpy.py``);
-* ``keras-tfr via tf.data``: the same source with that hook switched off, so Keras
-  iterates the tf.data pipeline eagerly and converts each batch (what it did before).
+* ``keras-tfr via tf.data`` (JAX, torch): the same source with that hook switched off,
+  so Keras iterates the tf.data pipeline eagerly and converts each batch (what it did
+  before);
+* ``keras-tfr, batch dimension None`` (TensorFlow): the same source with its static batch
+  dimension switched off (``element_spec`` ``(None, ...)`` as before 2026-12-03), so
+  Keras traces its step for an unknown batch size.
 
 The model is Flatten + Dense(10) on 28x28x1 float32 samples, batch 256.
 
 Usage::
 
-    python benchmarks/backend_fit.py --backend jax          # or torch
+    python benchmarks/backend_fit.py --backend jax          # or torch, tensorflow
     python benchmarks/backend_fit.py --backend jax --samples 40000 --rounds 2
 """
 
@@ -33,11 +38,16 @@ import numpy as np
 SHAPE = (28, 28, 1)
 BATCH = 256
 EPOCHS = 4
-PIPELINES = ["numpy", "keras-tfr", "keras-tfr-tfdata"]
+PIPELINES = {
+    "jax": ["numpy", "keras-tfr", "keras-tfr-tfdata"],
+    "torch": ["numpy", "keras-tfr", "keras-tfr-tfdata"],
+    "tensorflow": ["numpy", "keras-tfr", "keras-tfr-dynamic"],
+}
 LABELS = {
     "numpy": "model.fit(x, y) in-memory NumPy",
-    "keras-tfr": "keras-tfr (as_numpy_iterator)",
+    "keras-tfr": "keras-tfr",
     "keras-tfr-tfdata": "keras-tfr via tf.data (hook off)",
+    "keras-tfr-dynamic": "keras-tfr, batch dimension None",
 }
 
 
@@ -46,16 +56,20 @@ def worker(data: str, pipeline: str) -> dict:
         from keras_tfr._compat import keras_numpy
 
         keras_numpy.install_numpy_batches = lambda: False  # Keras' own tf.data iteration
+    if pipeline == "keras-tfr-dynamic":
+        from keras_tfr import TFRecordSequenceSource
+
+        TFRecordSequenceSource._full_batches = lambda self: False  # type: ignore[method-assign]
     import keras
 
-    times: list[float] = []
+    times: list[tuple[float, float]] = []
 
     class Timer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.t0)
+            times.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
 
     model = keras.Sequential([keras.Input(SHAPE), keras.layers.Flatten(), keras.layers.Dense(10)])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -71,7 +85,8 @@ def worker(data: str, pipeline: str) -> dict:
         src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
         n = src.num_samples
         model.fit(src, epochs=EPOCHS, verbose=0, callbacks=[Timer()])
-    return {"examples_per_s": n / min(times[1:]), "backend": keras.backend.backend()}
+    wall, cpu = min(times[1:])
+    return {"examples_per_s": n / wall, "cpu_s": cpu, "backend": keras.backend.backend()}
 
 
 def generate(data: str, samples: int) -> None:
@@ -102,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="keras-tfr-backend-fit-") as data:
         generate(data, args.samples)
         env = {**os.environ, "KERAS_BACKEND": args.backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-        rates: dict[str, list[float]] = {p: [] for p in PIPELINES}
+        pipelines = PIPELINES[args.backend]
+        rates: dict[str, list[float]] = {p: [] for p in pipelines}
+        cpus: dict[str, list[float]] = {p: [] for p in pipelines}
         for _ in range(args.rounds):
-            for p in PIPELINES:
+            for p in pipelines:
                 out = subprocess.run(
                     [sys.executable, __file__, "--_worker", data, p],
                     env=env,
@@ -118,15 +135,18 @@ def main(argv: list[str] | None = None) -> int:
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 assert res["backend"] == args.backend, res
                 rates[p].append(res["examples_per_s"])
+                cpus[p].append(res["cpu_s"])
     ours = statistics.median(rates["keras-tfr"])
     print(
         f"fit under {args.backend}, {args.samples} x {SHAPE} float32, batch {BATCH}, "
         f"median of {args.rounds} interleaved rounds"
     )
-    print(f"{'pipeline':36s} {'examples/s':>12s} {'keras-tfr / this':>18s}")
-    for p in PIPELINES:
+    print(f"{'pipeline':36s} {'examples/s':>12s} {'keras-tfr / this':>18s} {'CPU-s/epoch':>12s}")
+    for p in pipelines:
         rate = statistics.median(rates[p])
-        print(f"{LABELS[p]:36s} {rate:12,.0f} {ours / rate:17.2f}x")
+        cpu = statistics.median(cpus[p])
+        print(f"{LABELS[p]:36s} {rate:12,.0f} {ours / rate:17.2f}x {cpu:12.2f}")
+    print("rounds (examples/s):", {p: [round(r) for r in rates[p]] for p in pipelines})
     return 0
 
 

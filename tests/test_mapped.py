@@ -209,6 +209,58 @@ def test_mapped_and_graph_readers_give_the_same_samples(data, monkeypatch, drop_
     assert got["mapped"][2] == got["graph"][2]
 
 
+@pytest.mark.parametrize(
+    "kwargs, rows",
+    [
+        (dict(batch_size=50), 50),  # 1,000 samples: 20 full batches
+        (dict(batch_size=64), None),  # the last batch holds 40
+        (dict(batch_size=64, drop_remainder=True), 64),
+        (dict(batch_size=100, validation_split=0.2, subset="training", seed=1), 100),
+        (dict(batch_size=100, validation_split=0.2, subset="validation", seed=1), 100),
+        (dict(batch_size=100, validation_split=0.25, subset="validation", seed=1), None),
+        (dict(batch_size=100, num_workers=2, worker_index=1), 100),  # 500 each
+        (dict(batch_size=333, num_workers=3, worker_index=0), None),  # 334: 2 batches
+        (dict(batch_size=333, num_workers=3, worker_index=1), None),  # 333 + 1 empty batch
+        (dict(batch_size=50, access="blocks"), None),  # block mode: only drop_remainder
+    ],
+)
+def test_batch_dimension_is_static_where_every_batch_is_full(data, kwargs, rows):
+    d, x, _ = data
+    src = TFRecordSequenceSource(d, shuffle=True, **{"seed": 0, **kwargs})
+    assert src.element_spec[0].shape.as_list() == [rows, x.shape[1]]
+    assert src.element_spec[1].shape.as_list() == [rows]
+    got = [(bx.numpy(), by.numpy()) for bx, by in src]
+    assert len(got) == len(src)
+    if rows is not None:
+        assert {len(by) for _, by in got} == {rows}
+    # The same samples, bit for bit, as each label names.
+    ids = np.concatenate([by for _, by in got])
+    assert len(np.unique(ids)) == len(ids)
+    assert np.array_equal(
+        np.concatenate([bx for bx, _ in got]).view(np.uint32), x[ids].view(np.uint32)
+    )
+
+
+def test_fit_on_a_static_batch_source_equals_fit_on_a_dynamic_one(data, monkeypatch):
+    """The static batch dimension changes how Keras traces its step, not what it trains."""
+    import keras
+
+    d, x, _ = data
+    weights = []
+    for static in (True, False):
+        if not static:
+            monkeypatch.setattr(TFRecordSequenceSource, "_full_batches", lambda self: False)
+        src = TFRecordSequenceSource(d, batch_size=50, shuffle=True, seed=0)
+        assert (src.element_spec[0].shape[0] == 50) is static
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(len(x))])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.fit(src, epochs=2, verbose=0)  # the labels are the sample ids
+        weights.append([w.numpy() for w in model.weights])
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("verify, checks", [("first_read", 1), ("every_epoch", 3)])
 def test_each_record_is_checked_once_or_every_epoch(data, monkeypatch, verify, checks):
     d, _, _ = data
