@@ -582,7 +582,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
             batches = tf.data.Dataset.from_tensor_slices(block[0] if len(block) == 1 else block)
             if rows is None:
                 return batches
-            return batches.map(lambda *b: tf.nest.map_structure(_rows(rows), b))
+            # One component comes as one argument, a tuple as several.
+            return batches.map(
+                lambda *b: tf.nest.map_structure(_rows(rows), b[0] if len(b) == 1 else b)
+            )
 
         return blocks.map(decode).flat_map(cut)
 
