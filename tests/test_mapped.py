@@ -241,6 +241,24 @@ def test_batch_dimension_is_static_where_every_batch_is_full(data, kwargs, rows)
     )
 
 
+@pytest.mark.parametrize("spr", [9, 60])  # plain layout, lattice
+@pytest.mark.parametrize("batch_size, drop_remainder", [(50, False), (64, True), (64, False)])
+def test_x_alone_comes_as_one_tensor_whatever_the_batch_dimension(
+    tmp_path, spr, batch_size, drop_remainder
+):
+    x = np.random.default_rng(5).standard_normal((1000, 64)).astype(np.float32)
+    d = str(tmp_path / "x")
+    ArraysToRecords.from_arrays(x, None, d, samples_per_record=spr, verbose=0)
+    src = TFRecordSequenceSource(
+        d, batch_size=batch_size, shuffle=False, drop_remainder=drop_remainder
+    )
+    assert isinstance(src.element_spec, tf.TensorSpec)
+    batches = list(src)
+    assert all(isinstance(b, tf.Tensor) for b in batches)
+    got = np.concatenate([b.numpy() for b in batches])
+    assert np.array_equal(got.view(np.uint32), x[: len(got)].view(np.uint32))
+
+
 def test_fit_on_a_static_batch_source_equals_fit_on_a_dynamic_one(data, monkeypatch):
     """The static batch dimension changes how Keras traces its step, not what it trains."""
     import keras
