@@ -593,8 +593,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         """Sample mode: whether every batch an iterator gives holds ``batch_size`` samples.
 
         Then the batch dimension is static, as with ``drop_remainder``, and Keras traces
-        its step for a known batch size, which costs less CPU per step
-        (``python benchmarks/backend_fit.py --backend tensorflow``). Skipped records are
+        its step for a known batch size (``python benchmarks/backend_fit.py --backend
+        tensorflow`` compares `fit` with the dimension left None). Skipped records are
         replaced by other samples and a resumed epoch starts at a batch boundary, so
         neither shortens a batch; a worker share padded with empty batches does.
         """
