@@ -1,18 +1,17 @@
 """`fit` under one Keras backend: keras-tfr against in-memory NumPy, side by side.
 
-Three pipelines, each in its own process (the backend is fixed when Keras is imported),
-run in interleaved rounds, each reporting its fastest epoch after the first and the
+Up to three pipelines, each in its own process (the backend is fixed when Keras is
+imported), run in interleaved rounds, each reporting its fastest epoch after the first and the
 CPU-seconds (all threads) that epoch took:
 
 * ``numpy``: ``model.fit(x, y, batch_size=256, shuffle=True)`` on arrays in RAM;
 * ``keras-tfr``: ``model.fit(source)`` with a sample-mode `TFRecordSequenceSource`, which
-  Keras reads through `as_numpy_iterator` (``keras_tfr/_compat/keras_numpy.py``);
+  Keras' JAX and torch backends read through `as_numpy_iterator`
+  (``keras_tfr/_compat/keras_numpy.py``);
 * ``keras-tfr via tf.data`` (JAX, torch): the same source with that hook switched off,
   so Keras iterates the tf.data pipeline eagerly and converts each batch (what it did
-  before);
-* ``keras-tfr, batch dimension None`` (TensorFlow): the same source with its static batch
-  dimension switched off (``element_spec`` ``(None, ...)`` as before 2026-12-03), so
-  Keras traces its step for an unknown batch size.
+  before). Under TensorFlow, ``keras-tfr`` is that tf.data pipeline, inside ``fit``'s
+  compiled step.
 
 The model is Flatten + Dense(10) on 28x28x1 float32 samples, batch 256.
 
@@ -41,13 +40,12 @@ EPOCHS = 4
 PIPELINES = {
     "jax": ["numpy", "keras-tfr", "keras-tfr-tfdata"],
     "torch": ["numpy", "keras-tfr", "keras-tfr-tfdata"],
-    "tensorflow": ["numpy", "keras-tfr", "keras-tfr-dynamic"],
+    "tensorflow": ["numpy", "keras-tfr"],
 }
 LABELS = {
     "numpy": "model.fit(x, y) in-memory NumPy",
     "keras-tfr": "keras-tfr",
     "keras-tfr-tfdata": "keras-tfr via tf.data (hook off)",
-    "keras-tfr-dynamic": "keras-tfr, batch dimension None",
 }
 
 
@@ -56,10 +54,6 @@ def worker(data: str, pipeline: str) -> dict:
         from keras_tfr._compat import keras_numpy
 
         keras_numpy.install_numpy_batches = lambda: False  # Keras' own tf.data iteration
-    if pipeline == "keras-tfr-dynamic":
-        from keras_tfr import TFRecordSequenceSource
-
-        TFRecordSequenceSource._full_batches = lambda self: False  # type: ignore[method-assign]
     import keras
 
     times: list[tuple[float, float]] = []

@@ -72,11 +72,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
             function of ``(seed, e)`` alone. Required with ``validation_split``, and the
             same for both subsets.
-        drop_remainder: drop the last, partial batch. The batch dimension of
-            `element_spec` is ``batch_size`` wherever every batch is full: with
-            ``drop_remainder=True``, and in sample mode when this source's samples are a
-            multiple of ``batch_size`` (a worker share that pads with empty batches
-            excepted); else None.
+        drop_remainder: drop the last, partial batch (the batch dimension of
+            `element_spec` is then ``batch_size``, else None, as for `tf.data`'s ``batch``).
         validation_split: fraction (0 to 1) of the data reserved for validation. Sample
             mode: ``int(validation_split * n)`` samples (at least one) drawn across the
             whole data set; block mode: whole records. The subsets are disjoint and
@@ -543,7 +540,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         )
         self._mapped_plan = plan
         structure = self._structure_fn() if not self._decode else (lambda d: d)
-        rows = opts.batch_size if self._full_batches() else None
+        rows = opts.batch_size if opts.drop_remainder else None
         region = None
         if m.lattice is not None:
             try:
@@ -588,19 +585,6 @@ class TFRecordSequenceSource(tf.data.Dataset):
             )
 
         return blocks.map(decode).flat_map(cut)
-
-    def _full_batches(self) -> bool:
-        """Sample mode: whether every batch an iterator gives holds ``batch_size`` samples.
-
-        Then the batch dimension is static, as with ``drop_remainder``, and Keras traces
-        its step for a known batch size (``python benchmarks/backend_fit.py --backend
-        tensorflow`` compares `fit` with the dimension left None). Skipped records are
-        replaced by other samples and a resumed epoch starts at a batch boundary, so
-        neither shortens a batch; a worker share padded with empty batches does.
-        """
-        if self._cfg.drop_remainder:
-            return True
-        return self._pad_batches == 0 and self._rows % self.batch_size == 0
 
     def _prefetch_batches(self) -> int:
         """Sample mode's prefetch depth: `_PREFETCH_BYTES` of batches, in `_PREFETCH_BATCHES`."""
@@ -716,7 +700,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
 
 def _rows(rows: int) -> Callable[[Any], Any]:
-    """Sets the static batch dimension (every batch is full: `_full_batches`)."""
+    """Sets the static batch dimension (``drop_remainder``: every batch is full)."""
     return lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]])
 
 
