@@ -6,13 +6,19 @@ Argument definitions import nothing heavy; TensorFlow loads when the command run
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import NoReturn
 
 __all__ = ["add_arguments", "run"]
+
+# How long Ctrl-C waits for the servers to stop before the process ends without them.
+_STOP_SECONDS = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _stop(stop: Callable[[], object], seconds: float) -> bool:
+    """Runs ``stop`` (the servers'); False if it is still running after ``seconds``."""
+    stopper = threading.Thread(target=stop, name="keras_tfr_serve_stop", daemon=True)
+    stopper.start()
+    stopper.join(seconds)
+    return not stopper.is_alive()
+
+
 def run(args: argparse.Namespace) -> int:
-    """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C."""
+    """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C
+    (or SIGTERM, or ``--duration``), stops the servers and ends the process.
+
+    The process ends through ``os._exit`` once the servers have stopped, or after
+    `_STOP_SECONDS` if they have not: TensorFlow's servers can hold their own shutdown,
+    and the interpreter's exit, while a client still talks to them.
+    """
     if args.workers < 0:
         print(
             f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr
@@ -90,6 +110,14 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        cluster.stop()
+        stopped = _stop(cluster.stop, _STOP_SECONDS)
+    if not stopped:
+        print(
+            f"keras-tfr serve: the servers were still stopping after {_STOP_SECONDS:g} s "
+            "(a client still connected?); ending the process without waiting for them",
+            file=sys.stderr,
+            flush=True,
+        )
     print("stopped", flush=True)
-    return 0
+    sys.stderr.flush()
+    os._exit(0)
