@@ -210,6 +210,41 @@ def test_serve_command_starts_a_cluster_and_stops_on_interrupt(ids_dataset):
             proc.wait()
 
 
+_INHERIT = (
+    "import os, signal, sys\n"
+    "if sys.argv[1] == 'block':\n"
+    "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+    "else:\n"
+    "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'keras_tfr.cli', 'serve',\n"
+    "                          '--workers', '1', '--port', '0'])\n"
+)
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+@pytest.mark.parametrize("how", ["block", "ignore"])
+def test_serve_stops_on_ctrl_c_that_its_parent_blocked_or_ignored(how):
+    """Both survive `exec` (a shell's background job ignores SIGINT; a test runner's worker
+    had it blocked, and `serve` never stopped): `serve` takes SIGINT back."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    cmd = [sys.executable, "-c", _INHERIT, how]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while not line.startswith("serving"):
+            line = proc.stdout.readline()
+            assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.subprocess
 def test_serve_ends_even_when_the_servers_do_not_stop(tmp_path):
     """A server whose shutdown hangs (TensorFlow's can, while a client still talks to it)

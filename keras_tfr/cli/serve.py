@@ -65,6 +65,15 @@ def _stop(stop: Callable[[], object], seconds: float) -> bool:
     return not stopper.is_alive()
 
 
+def _take_stop_signals() -> None:
+    """Lets Ctrl-C and SIGTERM reach this process even where its parent ignored or blocked
+    them: both are inherited across ``exec`` (a shell's background job ignores SIGINT; a
+    parent can hold it blocked), and then ``serve`` would never stop on Ctrl-C."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run(args: argparse.Namespace) -> int:
     """Starts the servers, prints the address to pass as ``service=``, waits for Ctrl-C
     (or SIGTERM, or ``--duration``), stops the servers and ends the process.
@@ -81,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dispatcher is not None and args.workers == 0:
         print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
         return 2
+    _take_stop_signals()  # before TensorFlow starts its threads, which inherit the mask
     from keras_tfr.distribute import start_service
 
     cluster = start_service(
@@ -96,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"worker: {address}", flush=True)
     if cluster.target is not None:
         print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
-    print("serving; press Ctrl-C to stop", flush=True)
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
@@ -104,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, on_term)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
+        # Inside the `try`: a Ctrl-C right after this line still stops the servers.
+        print("serving; press Ctrl-C to stop", flush=True)
         while deadline is None or time.monotonic() < deadline:
             time.sleep(0.2)
     except KeyboardInterrupt:
