@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -184,10 +185,11 @@ def test_service_values_are_bit_exact(make_dataset, service_cluster):
     assert np.concatenate(xs)[order].tobytes() == x.tobytes()
 
 
-@pytest.mark.subprocess
-def test_serve_command_starts_a_cluster_and_stops_on_interrupt(ids_dataset):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    cmd = [sys.executable, "-m", "keras_tfr.cli", "serve", "--workers", "2", "--port", "0"]
+@contextlib.contextmanager
+def _serving(cmd):
+    """Starts ``cmd`` (a `keras-tfr serve`), yields it and its lines up to "serving"; kills
+    it if it is still running at the end."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = []
@@ -195,19 +197,30 @@ def test_serve_command_starts_a_cluster_and_stops_on_interrupt(ids_dataset):
             line = proc.stdout.readline()
             assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
             lines.append(line.strip())
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _interrupt(proc):
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)  # `serve` waits at most 10 s for the servers
+    assert proc.returncode == 0
+    assert "stopped" in out
+
+
+@pytest.mark.subprocess
+def test_serve_command_starts_a_cluster_and_stops_on_interrupt(ids_dataset):
+    cmd = [sys.executable, "-m", "keras_tfr.cli", "serve", "--workers", "2", "--port", "0"]
+    with _serving(cmd) as (proc, lines):
         target = lines[0].split(": ", 1)[1]
         assert target.startswith("grpc://localhost:")
         assert sum(line.startswith("worker: ") for line in lines) == 2
         source = TFRecordSequenceSource(ids_dataset, batch_size=9, service=target)
         assert sorted(_ids(source)[0]) == list(range(N))
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)  # `serve` waits at most 10 s for the servers
-        assert proc.returncode == 0
-        assert "stopped" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _interrupt(proc)
 
 
 _INHERIT = (
@@ -225,24 +238,10 @@ _INHERIT = (
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
 @pytest.mark.parametrize("how", ["block", "ignore"])
 def test_serve_stops_on_ctrl_c_that_its_parent_blocked_or_ignored(how):
-    """Both survive `exec` (a shell's background job ignores SIGINT; a test runner's worker
-    had it blocked, and `serve` never stopped): `serve` takes SIGINT back."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    cmd = [sys.executable, "-c", _INHERIT, how]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = ""
-        while not line.startswith("serving"):
-            line = proc.stdout.readline()
-            assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0
-        assert "stopped" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    """Both survive `exec` (a shell's background job ignores SIGINT; in full runs of the
+    suite `serve` was started with one or the other, and never stopped)."""
+    with _serving([sys.executable, "-c", _INHERIT, how]) as (proc, _):
+        _interrupt(proc)
 
 
 @pytest.mark.subprocess
