@@ -12,8 +12,12 @@ shuffle.
 
 Pipelines (read benchmark, one epoch, no model):
 
-* ``keras-tfr``: `TFRecordSequenceSource(..., shuffle=True, seed=0)`, iterated as a
-  `tf.data.Dataset` (tensors).
+* ``keras-tfr``: `TFRecordSequenceSource(..., shuffle=True, seed=0)`, iterated in a
+  Python loop (``for x, y in source``: tensors; in sample mode straight from the
+  memory-mapped reader, handed to TensorFlow through DLPack).
+* ``keras-tfr through tf.data's iterator``: the same source read by TensorFlow's own
+  iterator (``tf.data.Dataset.__iter__``: the tf.data pipeline that ``fit`` runs, and
+  what a loop over ``source.map(...)`` or inside a ``tf.function`` reads).
 * ``keras-tfr as_numpy_iterator()``: the same source's NumPy batches, straight from the
   memory-mapped reader (what a Python loop that wants NumPy uses).
 * ``tutorial``: one ``tf.train.Example`` per sample holding ``tf.io.serialize_tensor``
@@ -74,6 +78,7 @@ PEER_THREADS = 4
 
 READ_PIPELINES = [
     "keras-tfr",
+    "keras-tfr-tfdata",
     "keras-tfr-numpy",
     "tutorial",
     "per-sample-raw",
@@ -86,10 +91,13 @@ READ_PIPELINES = [
     "tf-data-floor",
 ]
 FIT_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset", "tutorial"]
+# The pipelines that read the formats `gen_formats` writes (the tutorial's: the write group).
+FORMAT_PIPELINES = {"per-sample-raw", "grain-arrayrecord", "tf-save-load"}
 WRITE_PIPELINES = ["keras-tfr", "np.save", "tutorial"]
 
 LABELS = {
     "keras-tfr": "keras-tfr",
+    "keras-tfr-tfdata": "keras-tfr through tf.data's iterator",
     "keras-tfr-numpy": "keras-tfr as_numpy_iterator()",
     "tutorial": "tutorial (per-sample serialize_tensor)",
     "per-sample-raw": "per-sample raw bytes, batched parse",
@@ -411,11 +419,15 @@ def work_read(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[
         return _grain_read(p, shape)
     if pipeline == "memmap-threads":
         return _memmap_read(p)
-    if pipeline == "keras-tfr-numpy":
+    if pipeline in ("keras-tfr-numpy", "keras-tfr-tfdata"):
+        import tensorflow as tf
+
         src = _tf_read_pipeline(p, "keras-tfr", shape)
 
         class Epochs:
             def __iter__(self):
+                if pipeline == "keras-tfr-tfdata":
+                    return tf.data.Dataset.__iter__(src)
                 return src.as_numpy_iterator()
 
         count, dt, cpu = _iterate(Epochs())
@@ -709,6 +721,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="small,large")
     parser.add_argument("--keep-data", action="store_true")
     parser.add_argument(
+        "--pipelines",
+        default=None,
+        help="comma-separated pipelines to run (default: all of each group); the rest are "
+        "left out of the table",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -718,6 +736,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     groups = set(args.only.split(","))
+    wanted = set(args.pipelines.split(",")) if args.pipelines else None
+    unknown = sorted((wanted or set()) - set(READ_PIPELINES) - set(FIT_PIPELINES))
+    if unknown:
+        parser.error(
+            f"unknown pipelines {unknown}; expected some of "
+            f"{sorted(set(READ_PIPELINES) | set(FIT_PIPELINES))}"
+        )
     shape_names = args.shapes.split(",")
     frac = 4 if args.quick else 1
     data = args.data_dir or tempfile.mkdtemp(prefix="keras-tfr-bench-")
@@ -772,13 +797,16 @@ def main(argv: list[str] | None = None) -> int:
                     pipeline,
                     run_worker({**base, "kind": "write", "pipeline": pipeline}),
                 )
-            if groups & {"read", "fit"}:
+            chosen = {
+                group: [p for p in pipelines if wanted is None or p in wanted]
+                for group, pipelines in (("read", READ_PIPELINES), ("fit", FIT_PIPELINES))
+                if group in groups
+            }
+            if any(p in FORMAT_PIPELINES for ps in chosen.values() for p in ps):
                 res = run_worker({**base, "kind": "gen_formats"})
                 if res.get("error") or res.get("arrayrecord_error"):
                     log(f"gen_formats: {res}")
-            for group, pipelines in (("read", READ_PIPELINES), ("fit", FIT_PIPELINES)):
-                if group not in groups:
-                    continue
+            for group, pipelines in chosen.items():
                 runs: dict[str, list[dict[str, Any]]] = {p: [] for p in pipelines}
                 for _ in range(max(1, args.rounds)):
                     for pipeline in pipelines:

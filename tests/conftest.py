@@ -33,13 +33,31 @@ def make_dataset(tmp_path):
     return make
 
 
-@pytest.fixture(params=["mapped", "graph"])
+@pytest.fixture(params=["mapped", "mapped-tf.data", "graph"])
 def reader(request, monkeypatch):
     """Runs a test with each reader of `TFRecordSequenceSource` (``KERAS_TFR_READER``): the
-    memory-mapped reader of sample mode (`keras_tfr.read.mapped`) and the tf.data graph
-    reader of block mode (`keras_tfr.read.graph`)."""
-    monkeypatch.setenv("KERAS_TFR_READER", request.param)
-    return request.param
+    memory-mapped reader of sample mode (`keras_tfr.read.mapped`), whose eager iterators
+    hand out tensors straight from it; the same reader through tf.data's iterator (the
+    pipeline `fit` runs: ``mapped-tf.data``); and the tf.data graph reader of block mode
+    (`keras_tfr.read.graph`)."""
+    mode = request.param.split("-")[0]
+    monkeypatch.setenv("KERAS_TFR_READER", mode)
+    if request.param == "mapped-tf.data":
+        tf_data_iterators(monkeypatch)
+    return mode
+
+
+def tf_data_iterators(monkeypatch):
+    """Makes every eager iterator of a source tf.data's own (no `TensorBatches`)."""
+    from keras_tfr import TFRecordSequenceSource
+
+    monkeypatch.setattr(TFRecordSequenceSource, "_tensor_direct", lambda self: False)
+
+
+@pytest.fixture
+def tf_data_iterator(monkeypatch):
+    """The tf.data pipeline behind every eager iterator of a source, as `fit` reads it."""
+    tf_data_iterators(monkeypatch)
 
 
 @pytest.fixture

@@ -20,6 +20,10 @@ from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSourc
 from keras_tfr.manifest import Manifest
 from keras_tfr.read import mapped
 
+# The tf.data pipeline of sample mode, as `fit` reads it: every eager iterator here is
+# tf.data's own (the source's tensors straight from the reader: tests/test_eager_iter.py).
+pytestmark = pytest.mark.usefixtures("tf_data_iterator")
+
 
 @pytest.fixture(params=["plain", "lattice"])
 def data(tmp_path, request):
@@ -354,7 +358,7 @@ def test_iterator_checkpoints_need_block_mode(data, tmp_path):
     d, _, _ = data
     it = iter(TFRecordSequenceSource(d, batch_size=10, seed=0))
     next(it)
-    with pytest.raises(tf.errors.OpError):
+    with pytest.raises(tf.errors.OpError, match="set_epoch"):
         tf.train.Checkpoint(iterator=it).save(str(tmp_path / "samples"))
     src = TFRecordSequenceSource(d, batch_size=10, shuffle=False, access="blocks")
     it = iter(src)
@@ -382,6 +386,7 @@ def test_replace_directory_reads_the_other_data_set(data, tmp_path, access):
 _MALLOC_SCRIPT = """
 import resource, sys
 import numpy as np
+import tensorflow as tf
 from keras_tfr import TFRecordSequenceSource
 
 def faults():
@@ -395,7 +400,8 @@ faults()
 src = TFRecordSequenceSource(sys.argv[1], batch_size=16, seed=0)
 assert src.access == "samples"
 after_build = faults()
-sum(len(b[0]) for b in src)
+sum(len(b[0]) for b in tf.data.Dataset.__iter__(src))  # tf.data's iterator
+sum(len(b[0]) for b in src)  # the source's own (tensors straight from the reader)
 print(after_build, faults())
 """
 
@@ -415,22 +421,26 @@ def test_a_sample_mode_source_leaves_malloc_reusing_memory(tmp_path, run_script)
 
 _EXIT_SCRIPT = """
 import sys, time
+import tensorflow as tf
 from keras_tfr import TFRecordSequenceSource
 from keras_tfr.read import mapped
 
-gather = mapped.MappedPlan.gather
+def slow(fn):  # a slow disk: a unit is surely in flight at exit
+    def call(*args, **kwargs):
+        time.sleep(0.2)
+        return fn(*args, **kwargs)
+
+    return call
 
 
-def slow_gather(plan, ids):  # a slow disk: a unit is surely in flight at exit
-    time.sleep(0.2)
-    return gather(plan, ids)
-
-
-mapped.MappedPlan.gather = slow_gather
+for name in ("gather", "gather_batches", "rows"):  # every reader's per-unit call
+    setattr(mapped.MappedPlan, name, slow(getattr(mapped.MappedPlan, name)))
 src = TFRecordSequenceSource(sys.argv[1], batch_size=256, seed=0)
 assert src.access == "samples"
-it = iter(src)
+it = tf.data.Dataset.__iter__(src)  # tf.data's iterator
 next(it)  # TensorFlow's threads now gather the next units
+mine = iter(src)  # the source's own: tensors straight from the reader
+next(mine)  # its reader threads now gather the next units
 if sys.argv[2] == "error":
     try:
         raise RuntimeError("an error whose traceback keeps the iterator alive")
@@ -443,9 +453,10 @@ print("exiting")
 @pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["plain", "error"])
 def test_a_program_exits_cleanly_with_an_iterator_open(tmp_path, run_script, how):
-    """An iterator still open when the program ends: the interpreter destroying it while
-    TensorFlow's threads were calling into Python hung the process (the calls wait for
-    the GIL), and unmapping the shards under a running gather crashed it (SIGSEGV)."""
+    """Iterators still open when the program ends (tf.data's and the source's own): the
+    interpreter destroying one while TensorFlow's threads were calling into Python hung
+    the process (the calls wait for the GIL), and unmapping the shards under a running
+    gather crashed it (SIGSEGV)."""
     n = 16384
     d = str(tmp_path / "ds")
     x = np.random.default_rng(0).random((n, 28, 28, 1), dtype=np.float32)

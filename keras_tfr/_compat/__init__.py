@@ -226,6 +226,35 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.data.ops.iterator_ops",
+        "OwnedIterator._create_iterator",
+        "tensorflow",
+        _TF,
+        "makes the iterator resource only when a tf.function (or a checkpoint) needs it; "
+        "a Python loop over a sample-mode source reads without it",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.data.ops.iterator_ops",
+        "OwnedIterator._next_internal",
+        "tensorflow",
+        _TF,
+        "overridden: eager reads of a sample-mode source come from the memory-mapped "
+        "reader (get_next and __next__ both call it)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.data.ops.iterator_ops",
+        "OwnedIterator._serialize_to_tensors",
+        "tensorflow",
+        _TF,
+        "overridden: a checkpoint of a sample-mode iterator names set_epoch",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.eager.context",
         "context()._seed",
         "tensorflow",

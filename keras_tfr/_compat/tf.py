@@ -6,7 +6,10 @@ versions it was verified on) and resolved by `keras_tfr._compat.check_all`, so t
 imported until an accessor runs: importing this module does not load TensorFlow.
 
 * ``tensorflow.python.data.ops.iterator_ops.OwnedIterator``: the eager iterator of a
-  `tf.data.Dataset`; the source subclasses it to convert damaged-data errors.
+  `tf.data.Dataset`; the source subclasses it to convert damaged-data errors, to read
+  eagerly from the memory-mapped reader (``_next_internal``), to make the iterator
+  resource only when needed (``_create_iterator``) and to refuse checkpoints in sample
+  mode (``_serialize_to_tensors``).
 * ``tensorflow.python.eager.context.context()._seed``: the global seed that
   `tf.random.set_seed` sets; `keras_tfr._seeds` hides it while a pipeline is built.
 * ``tensorflow.python.lib.io._pywrap_record_io.RandomRecordReader``: reads one TFRecord

@@ -40,8 +40,10 @@ class NumpyBatches:
         structure: Callable[[dict[str, np.ndarray]], Any],
         pad_batches: int,
         convert_error: Callable[[BaseException], BaseException | None],
+        aligned: bool = False,
     ):
         self._plan = plan
+        self._aligned = aligned
         self._next_epoch = next_epoch
         self._structure = structure
         self._pad = int(pad_batches)
@@ -60,7 +62,7 @@ class NumpyBatches:
         if self._epoch is None:
             _reuse_freed_batches()
             number, start = self._next_epoch()
-            self._epoch = Epoch(self._plan, number, start, batches=True)
+            self._epoch = Epoch(self._plan, number, start, batches=True, aligned=self._aligned)
             self._closer = weakref.finalize(self, self._epoch.close)
         while True:
             batch = next(self._batches, None)
@@ -87,11 +89,15 @@ class NumpyBatches:
     def _cut(self, unit: list[list[np.ndarray]]) -> Iterator[Any]:
         specs = self._plan.specs
         for batch in unit:
-            yield self._structure({s.key: _decode(u, s) for s, u in zip(specs, batch)})
+            yield self._structure({s.key: self._leaf(_decode(u, s)) for s, u in zip(specs, batch)})
+
+    def _leaf(self, a: np.ndarray) -> Any:
+        """What each feature's array of a batch is handed out as."""
+        return a
 
     def _empty(self) -> Any:
         return self._structure(
-            {s.key: np.empty((0, *s.shape), dtype=_dtype(s)) for s in self._plan.specs}
+            {s.key: self._leaf(np.empty((0, *s.shape), dtype=_dtype(s))) for s in self._plan.specs}
         )
 
     def _finish(self) -> None:
@@ -104,6 +110,42 @@ class NumpyBatches:
         self._finish()
         self._batches = iter(())
         self._pad = 0
+
+
+class TensorBatches(NumpyBatches):
+    """One epoch (one iterator) of batches as `tf.Tensor`s, straight from the
+    memory-mapped reader: the batches `NumpyBatches` makes, each array on a 64-byte
+    boundary (``aligned``; still copied once from the page cache) and handed to
+    TensorFlow through DLPack, which makes a tensor over its memory without a copy
+    (about 3 µs, against 80-130 µs for `tf.convert_to_tensor`, which copies). What a
+    Python loop over a sample-mode source gets in place of tf.data's eager iterator
+    (`TFRecordSequenceSource.__iter__`).
+    """
+
+    def __init__(
+        self,
+        plan: MappedPlan,
+        next_epoch: Callable[[], tuple[int, int]],
+        structure: Callable[[dict[str, np.ndarray]], Any],
+        pad_batches: int,
+        convert_error: Callable[[BaseException], BaseException | None],
+    ):
+        import tensorflow as tf
+
+        super().__init__(plan, next_epoch, structure, pad_batches, convert_error, aligned=True)
+        self._from_dlpack = tf.experimental.dlpack.from_dlpack
+        self._convert = tf.convert_to_tensor
+
+    def _leaf(self, a: np.ndarray) -> Any:
+        # Every array here is a view of one from `aligned_empty` (64-byte aligned, as
+        # TensorFlow's kernels need; DLPack would hand over any address). Empty (padding)
+        # batches and dtypes DLPack lacks are copied.
+        if a.size:
+            try:
+                return self._from_dlpack(a.__dlpack__())
+            except (BufferError, TypeError, ValueError):  # pragma: no cover - other dtypes
+                pass
+        return self._convert(a)
 
 
 def _dtype(spec: FeatureSpec) -> np.dtype:

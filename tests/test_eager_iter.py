@@ -1,0 +1,247 @@
+"""A Python loop over a sample-mode source (``for x, y in source``): tensors straight from
+the memory-mapped reader (`keras_tfr.read.numpy_iter.TensorBatches`), bit for bit the
+batches of tf.data's own iterator over the same source, with the same epochs, resume
+point and errors; TensorFlow's iterator made only when a tf.function needs it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+
+
+@pytest.fixture
+def sorted_data(tmp_path):
+    """1,003 class-sorted samples (7, 5) float32, int64 labels, float32 weights."""
+    n = 1003
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, 7, 5)).astype(np.float32)
+    y = np.repeat(np.arange(10), -(-n // 10))[:n].astype(np.int64)
+    w = rng.random(n).astype(np.float32)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(
+        x, y, d, sample_weight=w, samples_per_record=300, min_shards=3, verbose=0
+    )
+    assert m.lattice is not None  # the writer's default, and what this reader needs
+    return d, x, y, w
+
+
+def _tf_data(src):
+    """tf.data's own iterator over the source (the pipeline `fit` runs)."""
+    return tf.data.Dataset.__iter__(src)
+
+
+def _same(t, expected):
+    """Bit for bit (float NaNs and -0.0 included)."""
+    got = np.asarray(t)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.tobytes() == expected.tobytes()
+
+
+def _address(t) -> int:
+    return np.from_dlpack(t).ctypes.data  # no copy: the tensor's own memory
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_python_loop_batches_are_tf_datas_bit_for_bit(sorted_data, shuffle, drop_remainder):
+    d, x, y, w = sorted_data
+    kwargs = dict(batch_size=64, shuffle=shuffle, seed=3, drop_remainder=drop_remainder)
+    a = TFRecordSequenceSource(d, **kwargs)
+    b = TFRecordSequenceSource(d, **kwargs)
+    assert a.access == "samples"
+    specs = tf.nest.flatten(a.element_spec)
+    for epoch in range(2):
+        it = iter(a)
+        fast = list(it)
+        assert it._resource is None  # no TensorFlow iterator was made for the loop
+        slow = list(_tf_data(b))
+        assert len(fast) == len(slow) == len(a)
+        order = a.sample_order(epoch)
+        at = 0
+        for f, s in zip(fast, slow):
+            assert isinstance(f, tuple) and len(f) == 3
+            for ft, st, spec in zip(f, s, specs):
+                assert isinstance(ft, tf.Tensor) and ft.dtype == spec.dtype
+                assert spec.shape.is_compatible_with(ft.shape)
+                _same(ft, st.numpy())
+            rows = order[at : at + len(f[1])]
+            _same(f[0], x[rows])
+            _same(f[1], y[rows])
+            _same(f[2], w[rows])
+            at += len(f[1])
+        assert at == (len(x) // 64 * 64 if drop_remainder else len(x))
+
+
+def test_every_tensor_is_aligned_and_usable_by_any_kernel(sorted_data):
+    """TensorFlow's kernels abort the process (CHECK) on a buffer not on a 64-byte
+    boundary, and DLPack hands over any address: every batch must be aligned."""
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=50, seed=0)
+    total = 0.0
+    for batch in src:
+        for t in batch:
+            assert _address(t) % 64 == 0
+        total += float(tf.reduce_sum(batch[0]))
+    assert np.isclose(total, float(x.sum(dtype=np.float64)), rtol=1e-4)
+
+
+def test_structures_and_dtypes_round_trip(tmp_path):
+    n = 3000
+    rng = np.random.default_rng(1)
+    x = {
+        "img": rng.integers(0, 255, (n, 4, 4), dtype=np.uint8),
+        "flag": rng.random(n) > 0.5,
+        "small": rng.integers(-128, 127, (n, 3), dtype=np.int8),
+        "half": rng.standard_normal((n, 2)).astype(np.float16),
+        "big": rng.integers(0, 2**63, n, dtype=np.uint64),
+    }
+    y = [rng.standard_normal((n, 3)), np.arange(n, dtype=np.int32)]
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, samples_per_record=1100, verbose=0)
+    assert TFRecordSequenceSource(d, batch_size=32)._tensor_direct()
+    src = TFRecordSequenceSource(d, batch_size=256, seed=9)
+    fast = list(src)
+    slow = list(_tf_data(TFRecordSequenceSource(d, batch_size=256, seed=9)))
+    order = src.sample_order(0)
+    at = 0
+    for (fx, fy), (tx, ty) in zip(fast, slow):
+        assert isinstance(fx, dict) and sorted(fx) == sorted(x)
+        assert isinstance(fy, tuple) and len(fy) == 2
+        rows = order[at : at + len(fy[1])]
+        for k in x:
+            _same(fx[k], tx[k].numpy())
+            _same(fx[k], x[k][rows])
+        for i in range(2):
+            _same(fy[i], ty[i].numpy())
+            _same(fy[i], y[i][rows])
+        at += len(rows)
+    assert at == n
+
+
+def test_x_alone_comes_as_one_tensor(tmp_path):
+    x = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, None, d, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=40, shuffle=False)
+    got = list(src)
+    assert all(isinstance(t, tf.Tensor) for t in got)
+    _same(tf.concat(got, 0), x)
+
+
+def test_resume_mid_epoch_ends_where_the_epoch_does(sorted_data):
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=64, seed=1)
+    src.set_epoch(3, 5)
+    rest = list(src)
+    assert len(rest) == len(src) - 5
+    _same(tf.concat([b[0] for b in rest], 0), x[src.sample_order(3)[5 * 64 :]])
+    assert len(list(src)) == len(src)  # the next iterator reads epoch 4 whole
+    _same(tf.concat([b[0] for b in src], 0), x[src.sample_order(5)])
+
+
+def test_get_next_and_get_next_as_optional(sorted_data):
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=500, shuffle=False)
+    it = iter(src)
+    _same(it.get_next()[0], x[:500])
+    opt = it.get_next_as_optional()
+    assert bool(opt.has_value())
+    _same(opt.get_value()[0], x[500:1000])
+    _same(next(it)[0], x[1000:])
+    assert not bool(it.get_next_as_optional().has_value())
+    with pytest.raises(tf.errors.OutOfRangeError):
+        it.get_next()
+    with pytest.raises(StopIteration):
+        next(it)
+    assert it._resource is None
+
+
+def test_an_iterator_read_in_python_is_not_then_read_in_a_tf_function(sorted_data):
+    d, _, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=64, seed=0)
+
+    @tf.function
+    def first_label(iterator):
+        return next(iterator)[1][0]
+
+    it = iter(src)
+    next(it)
+    with pytest.raises(RuntimeError, match=r"tf\.function") as e:
+        first_label(it)
+    assert d in str(e.value)
+
+
+def test_a_tf_function_first_makes_every_batch_come_from_tf_data(sorted_data):
+    """Once a tf.function has read the iterator, eager reads continue the same epoch
+    from TensorFlow's iterator, where the function left it."""
+    d, _, y, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=64, seed=0)
+
+    @tf.function
+    def labels(iterator):
+        return next(iterator)[1]
+
+    it = iter(src)
+    first = labels(it).numpy()
+    rest = [b[1].numpy() for b in it]
+    assert it._resource is not None
+    assert len(rest) == len(src) - 1
+    _same(np.concatenate([first, *rest]), y[src.sample_order(0)])
+
+
+def test_a_tf_function_may_loop_over_the_source_itself(sorted_data):
+    d, _, y, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=64, seed=0)
+
+    @tf.function
+    def total(ds):
+        s = tf.constant(0, tf.int64)
+        for _, labels, _ in ds:
+            s += tf.reduce_sum(labels)
+        return s
+
+    assert int(total(src)) == int(y.sum())
+
+
+def test_a_data_set_without_lattice_reads_through_tf_data(tmp_path):
+    x = np.random.default_rng(0).random((200, 3), dtype=np.float32)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(x, None, d, lattice=False, verbose=0)
+    assert m.lattice is None
+    src = TFRecordSequenceSource(d, batch_size=64, shuffle=False)
+    assert src.access == "samples"
+    it = iter(src)
+    _same(tf.concat(list(it), 0), x)
+    assert it._resource is not None  # tf.data's iterator: the gather lives in its pipeline
+
+
+def test_checkpointing_the_iterator_names_set_epoch(sorted_data, tmp_path):
+    d, _, _, _ = sorted_data
+    it = iter(TFRecordSequenceSource(d, batch_size=64, seed=0))
+    next(it)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="set_epoch"):
+        tf.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
+
+
+def test_keras_predict_and_eager_fit_read_the_python_batches(sorted_data):
+    """Keras' TensorFlow backend pulls `predict`'s batches (and `fit`'s with
+    ``run_eagerly=True``) in Python, from the source's own iterator."""
+    import keras
+
+    d, x, _, _ = sorted_data
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((7, 5)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    src = TFRecordSequenceSource(d, batch_size=128, shuffle=False)  # (x, y, weight)
+    want = model.predict(x, batch_size=128, verbose=0)
+    got = model.predict(src, verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    model.compile(
+        "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True
+    )
+    train = TFRecordSequenceSource(d, batch_size=128, seed=0)
+    history = model.fit(train, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2 and np.isfinite(history.history["loss"]).all()
