@@ -85,38 +85,6 @@ def test_batches_held_by_the_caller_are_never_overwritten(sorted_data):
     _same(np.concatenate(copies), x[src.sample_order(0)])
 
 
-def test_structures_and_dtypes_round_trip(tmp_path):
-    n = 300
-    rng = np.random.default_rng(1)
-    x = {
-        "img": rng.integers(0, 255, (n, 4, 4), dtype=np.uint8),
-        "flag": rng.random(n) > 0.5,
-        "small": rng.integers(-128, 127, (n, 3), dtype=np.int8),
-        "half": rng.standard_normal((n, 2)).astype(np.float16),
-        "big": rng.integers(0, 2**63, n, dtype=np.uint64),
-    }
-    y = [rng.standard_normal((n, 3)), np.arange(n, dtype=np.int32)]
-    d = str(tmp_path / "ds")
-    ArraysToRecords.from_arrays(x, y, d, samples_per_record=11, verbose=0)
-    src = TFRecordSequenceSource(d, batch_size=32, seed=9)
-    fast = list(src.as_numpy_iterator())
-    tf_batches = list(TFRecordSequenceSource(d, batch_size=32, seed=9))
-    order = src.sample_order(0)
-    at = 0
-    for (fx, fy), (tx, ty) in zip(fast, tf_batches):
-        assert isinstance(fx, dict) and sorted(fx) == sorted(x)
-        assert isinstance(fy, tuple) and len(fy) == 2
-        rows = order[at : at + len(fy[1])]
-        for k in x:
-            _same(fx[k], np.asarray(tx[k]))
-            _same(fx[k], x[k][rows])
-        for i in range(2):
-            _same(fy[i], np.asarray(ty[i]))
-            _same(fy[i], y[i][rows])
-        at += len(rows)
-    assert at == n
-
-
 def test_epochs_and_resume_follow_the_source_clock(sorted_data):
     d, x, _, _ = sorted_data
     src = TFRecordSequenceSource(d, batch_size=100, seed=4)

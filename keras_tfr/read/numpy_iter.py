@@ -122,17 +122,11 @@ class TensorBatches(NumpyBatches):
     (`TFRecordSequenceSource.__iter__`).
     """
 
-    def __init__(
-        self,
-        plan: MappedPlan,
-        next_epoch: Callable[[], tuple[int, int]],
-        structure: Callable[[dict[str, np.ndarray]], Any],
-        pad_batches: int,
-        convert_error: Callable[[BaseException], BaseException | None],
-    ):
+    def __init__(self, *args: Any):  # `NumpyBatches`' arguments but ``aligned``
         import tensorflow as tf
 
-        super().__init__(plan, next_epoch, structure, pad_batches, convert_error, aligned=True)
+        super().__init__(*args)
+        self._aligned = True  # read when the epoch starts (the first batch pulled)
         self._from_dlpack = tf.experimental.dlpack.from_dlpack
         self._convert = tf.convert_to_tensor
 
