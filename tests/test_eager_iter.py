@@ -252,3 +252,20 @@ def test_keras_predict_and_eager_fit_read_the_python_batches(sorted_data):
     train = TFRecordSequenceSource(d, batch_size=128, seed=0)
     history = model.fit(train, epochs=2, verbose=0)
     assert len(history.history["loss"]) == 2 and np.isfinite(history.history["loss"]).all()
+
+
+def test_a_tf_function_with_the_sources_signature_takes_every_batch(sorted_data):
+    """The README's custom training loop: one trace for every batch, the last short one
+    included."""
+    d, x, _, _ = sorted_data
+    src = TFRecordSequenceSource(d, batch_size=128, shuffle=False)
+    traces = []
+
+    @tf.function(input_signature=[src.element_spec])
+    def step(batch):
+        traces.append(1)
+        return tf.reduce_sum(batch[0])
+
+    total = sum(float(step(batch)) for batch in src)
+    assert len(traces) == 1
+    assert np.isclose(total, float(x.sum(dtype=np.float64)), rtol=1e-4)

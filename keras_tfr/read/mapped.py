@@ -605,6 +605,16 @@ class MappedPlan:
         views = [arr[: len(arr) // g * g].reshape(-1, g) for g in g_rows]
         rows = self.rows(ids)
         b = self.batch_size
+        n_ids = len(ids)
+        if all(b * sb % 64 == 0 for sb in self.sample_bytes):
+            # Every batch of the unit starts 64-byte aligned inside one buffer per feature:
+            # one `np.take` per feature for the whole unit, the batches are views of it.
+            whole = []
+            for r, g, sb, view in zip(rows, g_rows, self.sample_bytes, views):
+                dst = aligned_empty(n_ids * sb)
+                np.take(view, r, axis=0, out=dst.reshape(-1, g), mode="clip")
+                whole.append(dst.reshape(n_ids, sb))
+            return [[w[a : a + b] for w in whole] for a in range(0, n_ids, b)]
         out = []
         for a in range(0, len(ids), b):
             n = min(b, len(ids) - a)
