@@ -227,6 +227,20 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return self._steps
 
     def __iter__(self) -> OwnedIterator:
+        """An iterator over one epoch's batches (`tf.Tensor`s, the structure of
+        `element_spec`).
+
+        Read eagerly in sample mode on a lattice (a Python loop, Keras' `predict` under
+        TensorFlow), the batches come straight from the memory-mapped reader, handed to
+        TensorFlow through DLPack, not through tf.data's iterator: the same order, epochs,
+        checks and `CorruptRecordError`, at about twice the rate. TensorFlow's iterator is
+        made when a `tf.function` first reads this iterator (what `fit` does); an iterator
+        already read in Python then raises `RuntimeError` (make a new one).
+
+        Example:
+            >>> for x, y in source:  # x: tf.Tensor [batch_size, *shape]
+            ...     loss = train_step(x, y)
+        """
         if not tf.inside_function():
             return _Iterator(self)
         return super().__iter__()

@@ -8,6 +8,9 @@ Here each batch is a new array per feature, copied once from the page cache by t
 reader threads (a sorted fancy index of a memory-mapped array copies as much), with the
 same order, the same checks (every record's CRC and layout
 before any of its samples is handed out) and the same epochs as the tf.data pipeline.
+`TensorBatches` hands the same batches out as `tf.Tensor`s (64-byte aligned arrays made
+into tensors through DLPack, no second copy): what a Python loop over a sample-mode
+source gets.
 """
 
 from __future__ import annotations
