@@ -385,7 +385,7 @@ def test_launcher_stops_workers_when_the_chief_fails(tmp_path):
         """,
     )
     start = time.monotonic()
-    result = tune(script, workers=2, timeout=200, verbose=False)
+    result = tune(script, workers=2, timeout=200, log_dir=tmp_path / "logs", verbose=False)
     assert time.monotonic() - start < 60
     assert result.returncode == 1
     assert result.returncodes["chief"] == 3
@@ -407,7 +407,7 @@ def test_launcher_stops_a_waiting_chief_when_a_worker_fails(tmp_path):
         """,
     )
     start = time.monotonic()
-    result = tune(script, workers=2, timeout=200, verbose=False)
+    result = tune(script, workers=2, timeout=200, log_dir=tmp_path / "logs", verbose=False)
     assert time.monotonic() - start < 60
     assert result.returncode == 1
     assert result.returncodes["tuner0"] == 0 and result.returncodes["tuner1"] == 4
@@ -422,7 +422,7 @@ def test_launcher_timeout_and_bad_arguments(tmp_path):
 
     script = _script(tmp_path, "import time\ntime.sleep(300)\n")
     start = time.monotonic()
-    result = tune(script, workers=1, timeout=2, verbose=False)
+    result = tune(script, workers=1, timeout=2, log_dir=tmp_path / "logs", verbose=False)
     assert time.monotonic() - start < 60
     assert result.returncode == 1 and any("timed out" in e for e in result.errors)
 
