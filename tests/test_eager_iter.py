@@ -233,11 +233,19 @@ def test_checkpointing_the_iterator_names_set_epoch(sorted_data, tmp_path):
         tf.train.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
 
 
-def test_keras_predict_and_eager_fit_read_the_python_batches(sorted_data):
+def test_keras_predict_and_eager_fit_read_the_python_batches(sorted_data, monkeypatch):
     """Keras' TensorFlow backend pulls `predict`'s batches (and `fit`'s with
     ``run_eagerly=True``) in Python, from the source's own iterator."""
     import keras
 
+    made = []
+    tensor_batches = TFRecordSequenceSource._tensor_batches
+
+    def counted(self):
+        made.append(1)
+        return tensor_batches(self)
+
+    monkeypatch.setattr(TFRecordSequenceSource, "_tensor_batches", counted)
     d, x, _, _ = sorted_data
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((7, 5)), keras.layers.Flatten(), keras.layers.Dense(10)])
@@ -246,12 +254,14 @@ def test_keras_predict_and_eager_fit_read_the_python_batches(sorted_data):
     want = model.predict(x, batch_size=128, verbose=0)
     got = model.predict(src, verbose=0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(made) == 1
     model.compile(
         "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True
     )
     train = TFRecordSequenceSource(d, batch_size=128, seed=0)
     history = model.fit(train, epochs=2, verbose=0)
     assert len(history.history["loss"]) == 2 and np.isfinite(history.history["loss"]).all()
+    assert len(made) == 3  # one epoch each
 
 
 def test_a_tf_function_with_the_sources_signature_takes_every_batch(sorted_data):
