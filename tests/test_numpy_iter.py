@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
 from keras_tfr.read import mapped
@@ -55,7 +56,7 @@ def test_numpy_batches_are_the_tf_data_batches(sorted_data, shuffle, drop_remain
         it = a.as_numpy_iterator()
         assert isinstance(it, NumpyBatches)
         fast = list(it)
-        slow = [_as_numpy(t) for t in b]
+        slow = [_as_numpy(t) for t in tf.data.Dataset.__iter__(b)]  # tf.data's iterator
         assert len(fast) == len(slow) == len(a)
         order = a.sample_order(epoch)
         at = 0
@@ -91,7 +92,7 @@ def test_epochs_and_resume_follow_the_source_clock(sorted_data):
     unread = src.as_numpy_iterator()  # made and dropped unread: takes no epoch
     del unread
     e0 = np.concatenate([b[0] for b in src.as_numpy_iterator()])
-    e1 = np.concatenate([b[0].numpy() for b in src])  # tf.data iterator: epoch 1
+    e1 = np.concatenate([b[0].numpy() for b in tf.data.Dataset.__iter__(src)])  # epoch 1
     e2 = np.concatenate([b[0] for b in src.as_numpy_iterator()])
     for e, got in enumerate([e0, e1, e2]):
         _same(got, x[src.sample_order(e)])
@@ -199,7 +200,10 @@ def test_order_computed_in_groups_of_units_is_the_same_order(sorted_data, monkey
     for e in range(2):
         got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
         _same(got, x[src.sample_order(e)])
-    _same(np.concatenate([b[1].numpy() for b in src]), y[src.sample_order(2)])
+    _same(
+        np.concatenate([b[1].numpy() for b in tf.data.Dataset.__iter__(src)]),
+        y[src.sample_order(2)],
+    )
     src.set_epoch(5, step=4)
     got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
     _same(got, x[src.sample_order(5)[4 * 64 :]])
