@@ -80,3 +80,28 @@ def run_script():
         return out.stdout
 
     return run
+
+
+@pytest.fixture
+def write_sorted(tmp_path):
+    """Writes 1,003 class-sorted samples ((7, 5) float32, int64 labels, float32 weights)
+    in records of ``samples_per_record`` (37: too small for the lattice's padding; 300:
+    on a lattice), at least 3 shards; returns ``(directory, x, y, w, manifest)``."""
+    import numpy as np
+
+    from keras_tfr import ArraysToRecords
+
+    def write(samples_per_record: int):
+        n = 1003
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((n, 7, 5)).astype(np.float32)
+        y = np.repeat(np.arange(10), -(-n // 10))[:n].astype(np.int64)
+        w = rng.random(n).astype(np.float32)
+        d = str(tmp_path / "ds")
+        m = ArraysToRecords.from_arrays(
+            x, y, d, sample_weight=w, samples_per_record=samples_per_record, min_shards=3,
+            verbose=0,
+        )  # fmt: skip
+        return d, x, y, w, m
+
+    return write

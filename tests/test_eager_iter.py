@@ -13,17 +13,10 @@ from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 
 
 @pytest.fixture
-def sorted_data(tmp_path):
-    """1,003 class-sorted samples (7, 5) float32, int64 labels, float32 weights."""
-    n = 1003
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((n, 7, 5)).astype(np.float32)
-    y = np.repeat(np.arange(10), -(-n // 10))[:n].astype(np.int64)
-    w = rng.random(n).astype(np.float32)
-    d = str(tmp_path / "ds")
-    m = ArraysToRecords.from_arrays(
-        x, y, d, sample_weight=w, samples_per_record=300, min_shards=3, verbose=0
-    )
+def sorted_data(write_sorted):
+    """1,003 class-sorted samples (7, 5) float32, int64 labels, float32 weights, in
+    records of 300 samples, on a lattice."""
+    d, x, y, w, m = write_sorted(300)
     assert m.lattice is not None  # the writer's default, and what this reader needs
     return d, x, y, w
 
