@@ -266,13 +266,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return super().as_numpy_iterator()
         from keras_tfr.read.numpy_iter import NumpyBatches
 
-        return NumpyBatches(
-            self._mapped_plan,
-            self._clock.take,
-            self._structure_fn(),
-            self._pad_batches,
-            corrupt_record_error,
-        )
+        return self._direct_batches(NumpyBatches)
 
     def _tensor_direct(self) -> bool:
         """Whether iterating eagerly gives `TensorBatches` (sample mode on a lattice)."""
@@ -281,7 +275,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def _tensor_batches(self) -> Any:
         from keras_tfr.read.numpy_iter import TensorBatches
 
-        return TensorBatches(
+        return self._direct_batches(TensorBatches)
+
+    def _direct_batches(self, kind: Any) -> Any:
+        """One epoch of `NumpyBatches` (or its `TensorBatches`) from the mapped reader."""
+        return kind(
             self._mapped_plan,
             self._clock.take,
             self._structure_fn(),

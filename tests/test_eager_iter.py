@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from _readers import check_order
 
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 
@@ -52,19 +53,13 @@ def test_python_loop_batches_are_tf_datas_bit_for_bit(sorted_data, shuffle, drop
         assert it._resource is None  # no TensorFlow iterator was made for the loop
         slow = list(_tf_data(b))
         assert len(fast) == len(slow) == len(a)
-        order = a.sample_order(epoch)
-        at = 0
         for f, s in zip(fast, slow):
             assert isinstance(f, tuple) and len(f) == 3
             for ft, st, spec in zip(f, s, specs):
                 assert isinstance(ft, tf.Tensor) and ft.dtype == spec.dtype
                 assert spec.shape.is_compatible_with(ft.shape)
                 _same(ft, st.numpy())
-            rows = order[at : at + len(f[1])]
-            _same(f[0], x[rows])
-            _same(f[1], y[rows])
-            _same(f[2], w[rows])
-            at += len(f[1])
+        at = check_order(fast, a.sample_order(epoch), x, y, w)
         assert at == (len(x) // 64 * 64 if drop_remainder else len(x))
 
 

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from _readers import check_order
 
 from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
 from keras_tfr.read import mapped
@@ -50,18 +51,12 @@ def test_numpy_batches_are_the_tf_data_batches(sorted_data, shuffle, drop_remain
         fast = list(it)
         slow = [_as_numpy(t) for t in tf.data.Dataset.__iter__(b)]  # tf.data's iterator
         assert len(fast) == len(slow) == len(a)
-        order = a.sample_order(epoch)
-        at = 0
         for f, s in zip(fast, slow):
             assert isinstance(f, tuple) and len(f) == 3
             for ft, st in zip(f, s):
                 assert type(ft) is np.ndarray
                 _same(ft, st)
-            rows = order[at : at + len(f[1])]
-            _same(f[0], x[rows])
-            _same(f[1], y[rows])
-            _same(f[2], w[rows])
-            at += len(f[1])
+        at = check_order(fast, a.sample_order(epoch), x, y, w)
         assert at == (len(x) // 64 * 64 if drop_remainder else len(x))
 
 
