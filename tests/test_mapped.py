@@ -151,9 +151,20 @@ def test_golden_permutation():
 
     got = Permutation(10, key=(0,))(np.arange(10)).tolist()
     assert sorted(got) == list(range(10))
-    assert got == [2, 9, 7, 6, 1, 3, 8, 5, 0, 4]
-    for n in (1, 2, 3, 1003, 2**16 + 1):
+    assert got == [8, 7, 3, 2, 5, 0, 4, 6, 1, 9]
+    for n in (1, 2, 3, 1003, 2**16 + 1, 2**20 + 7):
         assert sorted(Permutation(n, key=(1, 2))(np.arange(n)).tolist()) == list(range(n))
+    # Indices of 32 bits are mixed in 32-bit words, wider ones in 64-bit words: both pinned.
+    assert Permutation(2**32, key=(3,))(np.arange(3)).tolist() == [
+        1474532590,
+        1327630323,
+        1783390745,
+    ]
+    n = 2**33 + 5
+    wide = Permutation(n, key=(3,))
+    assert wide(np.arange(3)).tolist() == [5117345873, 1939829250, 8484897795]
+    spread = wide(np.arange(0, n, 2**17))  # in range and without repeats
+    assert spread.max() < n and len(np.unique(spread)) == len(spread)
 
 
 def test_iterators_dropped_mid_epoch_release_threads(data):

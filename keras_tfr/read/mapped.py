@@ -318,6 +318,7 @@ class MappedPlan:
         self._region: _Region | None = None
         self._region_lock = threading.Lock()
         self._record_base: np.ndarray | None = None
+        self._row_base: list[np.ndarray] = []
         # Per record: 0 unchecked, 1 good, 2 damaged. Claimed records are being checked.
         self.state = np.zeros(total_records, dtype=np.uint8)
         self._claimed = np.zeros(total_records, dtype=bool)
@@ -353,6 +354,7 @@ class MappedPlan:
                 self._record_base = (
                     self._region.starts[self.shard_of] + self.index_in_shard * self.full.frame
                 )
+                self._row_base = self._lattice_row_base()
             return self._region
 
     def begin_epoch(self) -> None:
@@ -571,15 +573,35 @@ class MappedPlan:
             out.append(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
         return out
 
+    def _lattice_row_base(self) -> list[np.ndarray]:
+        """Per feature on a lattice, per record, the row of `lattice_tensors` that holds
+        the record's first sample of the feature (the short last record's own layout
+        included), so that `rows` is one multiply-add per sample and feature."""
+        rows = self.lattice_rows
+        if rows is None or self._record_base is None:
+            return []
+        out = []
+        for f, g in enumerate(rows):
+            first = self._record_base + self.full.feature_offsets[f]
+            if self.short is not None and self.total_records:
+                first[-1] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
+            if np.any(first % g):  # pragma: no cover - the lattice aligns every feature
+                raise AssertionError("keras-tfr: a feature does not start on its lattice row")
+            out.append(first // g)
+        return out
+
     def rows(self, ids: np.ndarray) -> list[np.ndarray]:
         """Per feature, the rows of `lattice_tensors` that hold the samples ``ids``
         (``[len(ids) * rows_per_sample]`` int64, sample by sample)."""
         rows = self.lattice_rows
         assert rows is not None
+        self.region()
+        records, j = np.divmod(ids, self.spr)
         out = []
-        for offsets, g, sb in zip(self.offsets(ids), rows, self.sample_bytes):
-            first = offsets // g
+        for base, g, sb in zip(self._row_base, rows, self.sample_bytes):
             k = sb // g
+            first = base[records]
+            first += j * k if k != 1 else j
             out.append(first if k == 1 else (first[:, None] + np.arange(k)).reshape(-1))
         return out
 

@@ -34,11 +34,15 @@ import numpy as np
 
 __all__ = ["Permutation", "SampleOrder", "block_split", "validation_count"]
 
-_U64 = np.uint64
-_MIX1 = _U64(0xBF58476D1CE4E5B9)
-_MIX2 = _U64(0x94D049BB133111EB)
+_U64, _U32 = np.uint64, np.uint32
 _ROUNDS = 6  # alternating halves: three rounds each
-_S29, _S32 = _U64(29), _U64(32)
+# The round function, a multiply-xorshift mix whose high bits are kept, in two widths:
+# indices of up to 32 bits are mixed in 32-bit words (twice the elements per vector
+# instruction, and a 32-bit multiply is one instruction where a 64-bit one is not).
+_MIX = {
+    _U64: (_U64(0xBF58476D1CE4E5B9), _U64(29), _U64(0x94D049BB133111EB), _U64(32)),
+    _U32: (_U32(0x21F0AAAD), _U32(15), _U32(0x735A2D97), _U32(16)),
+}
 
 # Domain tags, so that the split, the shuffle and the in-batch order never share keys.
 _SPLIT, _SHUFFLE = 1, 2
@@ -72,15 +76,19 @@ class Permutation:
             raise ValueError(f"Expected `n` >= 0. Received: {n}")
         self.n = int(n)
         bits = max(2, (self.n - 1).bit_length())
-        self._low = _U64(bits - bits // 2)
-        self._low_mask = _U64((1 << int(self._low)) - 1)
-        self._high_mask = _U64((1 << (bits // 2)) - 1)
-        self._keys = _round_keys(key)
+        self._word = _U32 if bits <= 32 else _U64
+        word = self._word
+        self._low = word(bits - bits // 2)
+        self._low_mask = word((1 << int(self._low)) - 1)
+        self._high_mask = word((1 << (bits // 2)) - 1)
+        keys = _round_keys(key)
+        self._keys = keys.astype(word) if word is _U64 else (keys >> _U64(32)).astype(word)
 
     def _rounds(self, x: np.ndarray) -> np.ndarray:
         # In place, on two scratch arrays: the same arithmetic as
         # ``low ^= mix(high ^ k) & mask`` per round, without a temporary per operation.
         low_bits = self._low
+        mul1, shift1, mul2, shift2 = _MIX[self._word]
         high, low = x >> low_bits, x & self._low_mask
         h, t = np.empty_like(x), np.empty_like(x)
         for r, k in enumerate(self._keys):
@@ -88,11 +96,11 @@ class Permutation:
                 (high, low, self._low_mask) if r % 2 == 0 else (low, high, self._high_mask)
             )
             np.bitwise_xor(src, k, out=h)
-            np.multiply(h, _MIX1, out=h)
-            np.right_shift(h, _S29, out=t)
+            np.multiply(h, mul1, out=h)
+            np.right_shift(h, shift1, out=t)
             np.bitwise_xor(h, t, out=h)
-            np.multiply(h, _MIX2, out=h)
-            np.right_shift(h, _S32, out=h)
+            np.multiply(h, mul2, out=h)
+            np.right_shift(h, shift2, out=h)
             np.bitwise_and(h, mask, out=h)
             np.bitwise_xor(dst, h, out=dst)
         np.left_shift(high, low_bits, out=high)
@@ -104,10 +112,10 @@ class Permutation:
         x = np.asarray(positions, dtype=np.int64)
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"positions must lie in [0, {self.n})")
-        n = _U64(self.n)
+        n = self._word(self.n) if self.n < (1 << 32) or self._word is _U64 else None
         with np.errstate(over="ignore"):
-            y = self._rounds(x.astype(np.uint64))
-            out = np.flatnonzero(y >= n)
+            y = self._rounds(x.astype(self._word))
+            out = np.flatnonzero(y >= n) if n is not None else np.empty(0, np.intp)
             while len(out):  # cycle walking
                 z = self._rounds(y[out])
                 y[out] = z
