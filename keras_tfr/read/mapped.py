@@ -678,16 +678,20 @@ class Epoch:
         batches: bool = False,
         unit_rows: int | None = None,
         aligned: bool = False,
+        finish: Callable[[list[list[np.ndarray]]], Any] | None = None,
     ):
         self.plan = plan
         self.number = number
         self.unit_rows = unit_rows or plan.unit_rows
         # ``batches``: units come as lists of batches of new arrays (`gather_batches`,
         # for NumPy consumers; 64-byte aligned with ``aligned``, for tensors made through
-        # DLPack), else as aligned recycled buffers (`gather`, for tf.data).
+        # DLPack), else as aligned recycled buffers (`gather`, for tf.data). ``finish``
+        # turns a unit's batches into what the consumer is handed, in the reader thread:
+        # the consumer's thread only takes them.
         self._gather: Callable[[np.ndarray], Any] = plan.gather
         if batches:
-            self._gather = functools.partial(plan.gather_batches, aligned=aligned)
+            gather = functools.partial(plan.gather_batches, aligned=aligned)
+            self._gather = gather if finish is None else lambda ids: finish(gather(ids))
         self.start_batch = start_batch
         self.first_row = min(plan.total_rows, start_batch * plan.batch_size)
         # Units of ``unit_rows`` rows (whole batches); the rows after the last whole unit

@@ -51,6 +51,7 @@ class NumpyBatches:
         self._structure = structure
         self._pad = int(pad_batches)
         self._convert_error = convert_error
+        self._leaf = self._leaf_fn()
         self._epoch: Epoch | None = None
         self._closer: Any = None
         self._batches: Iterator[Any] = iter(())
@@ -65,7 +66,13 @@ class NumpyBatches:
         if self._epoch is None:
             _reuse_freed_batches()
             number, start = self._next_epoch()
-            self._epoch = Epoch(self._plan, number, start, batches=True, aligned=self._aligned)
+            # The reader threads make each unit's batches whole (structure, tensors); this
+            # thread only hands them out. (Nothing in the epoch refers back to this
+            # iterator, so that collecting the iterator stops the readers.)
+            finish = _batch_maker(self._plan.specs, self._structure, self._leaf)
+            self._epoch = Epoch(
+                self._plan, number, start, batches=True, aligned=self._aligned, finish=finish
+            )
             self._closer = weakref.finalize(self, self._epoch.close)
         while True:
             batch = next(self._batches, None)
@@ -87,16 +94,12 @@ class NumpyBatches:
                 if converted is None:
                     raise
                 raise converted from e
-            self._batches = self._cut(unit)
+            self._batches = iter(unit)
 
-    def _cut(self, unit: list[list[np.ndarray]]) -> Iterator[Any]:
-        specs = self._plan.specs
-        for batch in unit:
-            yield self._structure({s.key: self._leaf(_decode(u, s)) for s, u in zip(specs, batch)})
-
-    def _leaf(self, a: np.ndarray) -> Any:
-        """What each feature's array of a batch is handed out as."""
-        return a
+    def _leaf_fn(self) -> Callable[[np.ndarray], Any]:
+        """What each feature's array of a batch is handed out as (called in the reader
+        threads; it must not refer to this iterator)."""
+        return _same
 
     def _empty(self) -> Any:
         return self._structure(
@@ -126,32 +129,55 @@ class TensorBatches(NumpyBatches):
     """
 
     def __init__(self, *args: Any):  # `NumpyBatches`' arguments but ``aligned``
-        import tensorflow as tf
-
         super().__init__(*args)
         self._aligned = True  # read when the epoch starts (the first batch pulled)
-        self._from_dlpack = tf.experimental.dlpack.from_dlpack
-        self._convert = tf.convert_to_tensor
 
-    def _leaf(self, a: np.ndarray) -> Any:
-        # Every array here is a view of one from `aligned_empty` (64-byte aligned, as
-        # TensorFlow's kernels need; DLPack would hand over any address). Empty (padding)
-        # batches and dtypes DLPack lacks are copied.
-        if a.size:
-            try:
-                return self._from_dlpack(a.__dlpack__())
-            except (BufferError, TypeError, ValueError):  # pragma: no cover - other dtypes
-                pass
-        return self._convert(a)
+    def _leaf_fn(self) -> Callable[[np.ndarray], Any]:
+        import tensorflow as tf
+
+        from_dlpack, convert = tf.experimental.dlpack.from_dlpack, tf.convert_to_tensor
+
+        def leaf(a: np.ndarray) -> Any:
+            # Every array here is a view of one from `aligned_empty` (64-byte aligned, as
+            # TensorFlow's kernels need; DLPack would hand over any address). Empty
+            # (padding) batches and dtypes DLPack lacks are copied.
+            if a.size:
+                try:
+                    return from_dlpack(a.__dlpack__())
+                except (BufferError, TypeError, ValueError):  # pragma: no cover - dtypes
+                    pass
+            return convert(a)
+
+        return leaf
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _batch_maker(
+    specs: list[FeatureSpec],
+    structure: Callable[[dict[str, Any]], Any],
+    leaf: Callable[[np.ndarray], Any],
+) -> Callable[[list[list[np.ndarray]]], list[Any]]:
+    """A unit's batches (per batch, per feature a ``[rows, sample_bytes]`` uint8 array)
+    -> the batches handed out: each feature in its dtype and shape, made a leaf, in the
+    source's structure."""
+    keyed = [(s.key, _dtype(s), s.shape) for s in specs]
+
+    def make(unit: list[list[np.ndarray]]) -> list[Any]:
+        return [
+            structure(
+                {k: leaf(u.view(dt).reshape(-1, *shape)) for (k, dt, shape), u in zip(keyed, b)}
+            )
+            for b in unit
+        ]
+
+    return make
 
 
 def _dtype(spec: FeatureSpec) -> np.dtype:
     return np.dtype(np.bool_) if spec.dtype == "bool" else spec.np_dtype
-
-
-def _decode(rows: np.ndarray, spec: FeatureSpec) -> np.ndarray:
-    """``[n, sample_bytes]`` uint8 -> ``[n, *shape]`` in the feature's dtype, a view."""
-    return rows.view(_dtype(spec)).reshape(-1, *spec.shape)
 
 
 _HEAP_BLOCK = (32 << 20) - (8 << 10)  # just under glibc's largest dynamic mmap threshold
