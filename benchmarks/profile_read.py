@@ -6,7 +6,8 @@ and the bytes copied per byte read by the stages so far. The difference between 
 lines is the cost of the stage added. First block mode's graph reader (TensorFlow's
 TFRecord reader and tf.data ops), then sample mode's memory-mapped reader
 (`keras_tfr.read.mapped`: the order, the CRC checks, the NumPy gathers), each ending with
-the whole `TFRecordSequenceSource`.
+the whole `TFRecordSequenceSource`; last, how much of a Python loop's CPU is the loop's
+own thread (the rest is the reader threads').
 
 Usage::
 
@@ -58,9 +59,8 @@ class _PythonStage:
                 if self.gather:
                     yield epoch.unit(i)
                 else:
-                    lo = i * self.plan.unit_rows
-                    ids = self.plan.order.samples(0, lo, lo + self.plan.unit_rows)
-                    yield self.plan.good_samples(ids, 0, i)
+                    # The reader's own order pieces (a few units' positions at once).
+                    yield self.plan.good_samples(epoch._ids(*epoch.span(i)), 0, i)
         finally:
             epoch.close()
 
@@ -147,6 +147,29 @@ def main(directory: str) -> None:
         cpu, rate = cpu_per_gb(ds, total)
         print(f"{name:48s} {copies:>11d} {cpu:>9.3f} {rate:>9.2f}", flush=True)
     print(f"TensorFlow's eager iteration alone: {eager_cost_us():.0f} µs of CPU per element")
+    src = _source(directory, "mapped")
+    for name, epochs in (
+        ("Python loop", lambda: iter(src)),
+        ("as_numpy_iterator()", src.as_numpy_iterator),
+    ):
+        wall, cpu, main_cpu = main_thread_share(epochs)
+        print(
+            f"{name}: an epoch in {wall * 1e3:.0f} ms, {cpu * 1e3:.0f} ms of CPU, "
+            f"{main_cpu * 1e3:.0f} ms of it in the loop's own thread"
+        )
+
+
+def main_thread_share(epochs, reps: int = 3) -> tuple[float, float, float]:
+    """Fastest epoch's wall time, process CPU and CPU of the thread that loops (the rest
+    is the reader threads'), with the loop touching each batch's shape."""
+    best = (float("inf"), 0.0, 0.0)
+    for _ in range(reps):
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        for batch in epochs():
+            batch[0].shape[0]
+        took = (time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0)
+        best = min(best, took)
+    return best
 
 
 def eager_cost_us(elements: int = 2000) -> float:
