@@ -189,6 +189,35 @@ def test_a_short_last_record_as_long_as_a_full_one(tmp_path):
         assert np.concatenate(ys).tobytes() == y.tobytes(), access
 
 
+@pytest.mark.parametrize("shape", [(7, 5), (64, 64, 3)])
+def test_lattice_rows_are_where_the_samples_start(tmp_path, shape):
+    """`MappedPlan.rows` (per-record row bases plus a multiply-add) names, for every
+    sample, the rows that hold it: each sample's first row is its byte offset in the
+    region divided by the row size, and the rows read back are its bytes. A short last
+    record, samples of one row and of 12 rows, three features."""
+    n = 1003
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.standard_normal((n, *shape)).astype(np.float32),
+        "b": np.arange(n * 3, dtype=np.int64).reshape(n, 3),
+    }
+    y = np.arange(n, dtype=np.int32) % 10
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, verbose=0)
+    plan = TFRecordSequenceSource(d, batch_size=32, seed=0)._mapped_plan
+    assert plan.lattice is not None and plan.total_samples % plan.spr  # a short last record
+    ids = rng.permutation(n)
+    region = np.frombuffer(memoryview(plan.region().buffer), dtype=np.uint8)
+    expected = {"x/a": x["a"], "x/b": x["b"], "y": y}
+    for spec, g, sb, rows, offsets in zip(
+        plan.specs, plan.lattice_rows, plan.sample_bytes, plan.rows(ids), plan.offsets(ids)
+    ):
+        k = sb // g
+        assert np.array_equal(rows.reshape(n, k)[:, 0] * g, offsets), spec.key
+        got = region[: len(region) // g * g].reshape(-1, g)[rows].reshape(n, sb)
+        assert got.tobytes() == expected[spec.key][ids].tobytes(), spec.key
+
+
 def test_lattice_false_and_compression_write_the_plain_layout(tmp_path):
     x = np.zeros((600, 256), np.float32)
     assert _write(tmp_path / "a", x, None).lattice is not None
