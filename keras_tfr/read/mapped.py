@@ -318,6 +318,7 @@ class MappedPlan:
         self._region: _Region | None = None
         self._region_lock = threading.Lock()
         self._record_base: np.ndarray | None = None
+        self._feature_base: list[np.ndarray] = []
         self._row_base: list[np.ndarray] = []
         # Per record: 0 unchecked, 1 good, 2 damaged. Claimed records are being checked.
         self.state = np.zeros(total_records, dtype=np.uint8)
@@ -354,7 +355,11 @@ class MappedPlan:
                 self._record_base = (
                     self._region.starts[self.shard_of] + self.index_in_shard * self.full.frame
                 )
-                self._row_base = self._lattice_row_base()
+                self._feature_base = self._feature_bases()
+                # On a lattice every feature starts on a row: the same bases in rows.
+                self._row_base = [
+                    b // g for b, g in zip(self._feature_base, self.lattice_rows or [])
+                ]
             return self._region
 
     def begin_epoch(self) -> None:
@@ -498,25 +503,24 @@ class MappedPlan:
             "unreadable. Run `keras-tfr verify` on the data set"
         )
 
-    def offsets(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Per feature, the address in the region of each sample of ``ids``."""
-        self.region()
+    def _feature_bases(self) -> list[np.ndarray]:
+        """Per feature, per record, the address in the region of the record's first
+        sample of the feature (the short last record's own layout included)."""
         assert self._record_base is not None
+        out = []
+        for f in range(len(self.specs)):
+            first = self._record_base + self.full.feature_offsets[f]
+            if self.short is not None and self.total_records:
+                first[-1] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
+            out.append(first)
+        return out
+
+    def offsets(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Per feature, the address in the region of each sample of ``ids``: one
+        multiply-add per sample and feature."""
+        self.region()
         records, j = np.divmod(ids, self.spr)
-        base = self._record_base[records]
-        is_short = None
-        if self.short is not None:
-            is_short = records == self.total_records - 1
-            if not is_short.any():
-                is_short = None
-        outs = []
-        for f, sb in enumerate(self.sample_bytes):
-            offsets = base + (self.full.feature_offsets[f] + j * sb)
-            if is_short is not None:
-                assert self.short is not None
-                offsets[is_short] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
-            outs.append(offsets)
-        return outs
+        return [base[records] + j * sb for base, sb in zip(self._feature_base, self.sample_bytes)]
 
     def gather(self, ids: np.ndarray) -> list[np.ndarray]:
         """Rows of ``ids`` (checked, written sample indices), per feature, in an aligned
@@ -573,23 +577,6 @@ class MappedPlan:
             out.append(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
         return out
 
-    def _lattice_row_base(self) -> list[np.ndarray]:
-        """Per feature on a lattice, per record, the row of `lattice_tensors` that holds
-        the record's first sample of the feature (the short last record's own layout
-        included), so that `rows` is one multiply-add per sample and feature."""
-        rows = self.lattice_rows
-        if rows is None or self._record_base is None:
-            return []
-        out = []
-        for f, g in enumerate(rows):
-            first = self._record_base + self.full.feature_offsets[f]
-            if self.short is not None and self.total_records:
-                first[-1] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
-            if np.any(first % g):  # pragma: no cover - the lattice aligns every feature
-                raise AssertionError("keras-tfr: a feature does not start on its lattice row")
-            out.append(first // g)
-        return out
-
     def rows(self, ids: np.ndarray) -> list[np.ndarray]:
         """Per feature, the rows of `lattice_tensors` that hold the samples ``ids``
         (``[len(ids) * rows_per_sample]`` int64, sample by sample)."""
@@ -600,8 +587,7 @@ class MappedPlan:
         out = []
         for base, g, sb in zip(self._row_base, rows, self.sample_bytes):
             k = sb // g
-            first = base[records]
-            first += j * k if k != 1 else j
+            first = base[records] + (j * k if k != 1 else j)  # as offsets // g, no division
             out.append(first if k == 1 else (first[:, None] + np.arange(k)).reshape(-1))
         return out
 
