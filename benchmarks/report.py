@@ -104,7 +104,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": None if ratio is None else ratio >= minimum,
             }
         )
-    for op in ("write keras-tfr", "read keras-tfr"):
+    for op in ("write keras-tfr", "read keras-tfr", "read memmap-threads"):
+        peer = "keras-tfr" not in op  # shown beside ours, not a target of ours
         one = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 1]
         four = [r for r in rows if r["group"] == "rss" and r["pipeline"] == op and r["scale"] == 4]
         for key, what in (
@@ -116,10 +117,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ratio = four[0][key] / one[0][key]
                 out.append(
                     {
-                        "target": f"{what}, {op.split()[0]}: 4x data within 10% of 1x",
+                        "target": (
+                            f"{what}, {op} (peer): 4x data vs 1x"
+                            if peer
+                            else f"{what}, {op.split()[0]}: 4x data within 10% of 1x"
+                        ),
                         "ratio": ratio,
                         "minimum": None,
-                        "met": ratio <= 1.10,
+                        "met": None if peer else ratio <= 1.10,
                     }
                 )
     return out

@@ -847,13 +847,15 @@ def main(argv: list[str] | None = None) -> int:
                     run_worker({**base, "kind": "write", "pipeline": "keras-tfr"}),
                     scale,
                 )
-                add(
-                    "rss",
-                    shape_name,
-                    "read keras-tfr",
-                    run_worker({**base, "kind": "read", "pipeline": "keras-tfr"}),
-                    scale,
-                )
+                # The memmap peer beside it: its page-cache pages count in its RSS too.
+                for pipeline in ("keras-tfr", "memmap-threads"):
+                    add(
+                        "rss",
+                        shape_name,
+                        f"read {pipeline}",
+                        run_worker({**base, "kind": "read", "pipeline": pipeline}),
+                        scale,
+                    )
                 if scale != 1 and not args.keep_data:
                     shutil.rmtree(_paths(data, shape_name, scale)["base"], ignore_errors=True)
     finally:

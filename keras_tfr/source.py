@@ -845,8 +845,9 @@ class _Iterator(OwnedIterator):
         return super().get_next_as_optional()
 
     def __next__(self) -> Any:
-        if self._python is not None and self._resource is None and tf.executing_eagerly():
-            return next(self._python)  # already reading in Python: the short way
+        if self._python is not None and self._in_python():
+            # Already reading in Python: the short way (its end is a StopIteration already).
+            return next(self._python)
         try:
             return super().__next__()
         except tf.errors.FailedPreconditionError as e:

@@ -9,6 +9,7 @@ keras-tfr keeps heavy or mutual imports out of import time.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "keras_tfr"
@@ -68,6 +69,12 @@ def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     ]
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once per test run (three tests walk every module)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def import_graph(deferred: bool = False) -> dict[str, set[str]]:
     """keras_tfr module -> the keras_tfr modules it imports at import time (with
     ``deferred``, also those imported inside functions: who calls whom)."""
@@ -76,7 +83,7 @@ def import_graph(deferred: bool = False) -> dict[str, set[str]]:
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
         edges: set[str] = set()
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         for node in _all_imports(tree) if deferred else _top_level_imports(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

@@ -102,9 +102,9 @@ class NumpyBatches:
         return _same
 
     def _empty(self) -> Any:
-        return self._structure(
-            {s.key: self._leaf(np.empty((0, *s.shape), dtype=_dtype(s))) for s in self._plan.specs}
-        )
+        """A padding batch: no rows, each feature in its dtype and shape."""
+        make = _batch_maker(self._plan.specs, self._structure, self._leaf)
+        return make([[np.empty((0, sb), np.uint8) for sb in self._plan.sample_bytes]])[0]
 
     def _finish(self) -> None:
         self._ended = True
