@@ -317,7 +317,6 @@ class MappedPlan:
         self.index_in_shard = np.arange(total_records, dtype=np.int64) - first[self.shard_of]
         self._region: _Region | None = None
         self._region_lock = threading.Lock()
-        self._record_base: np.ndarray | None = None
         self._feature_base: list[np.ndarray] = []
         self._row_base: list[np.ndarray] = []
         # Per record: 0 unchecked, 1 good, 2 damaged. Claimed records are being checked.
@@ -352,10 +351,7 @@ class MappedPlan:
                     )
                     for sb in self.sample_bytes
                 ]
-                self._record_base = (
-                    self._region.starts[self.shard_of] + self.index_in_shard * self.full.frame
-                )
-                self._feature_base = self._feature_bases()
+                self._feature_base = self._feature_bases(self._region)
                 # On a lattice every feature starts on a row: the same bases in rows.
                 self._row_base = [
                     b // g for b, g in zip(self._feature_base, self.lattice_rows or [])
@@ -503,13 +499,13 @@ class MappedPlan:
             "unreadable. Run `keras-tfr verify` on the data set"
         )
 
-    def _feature_bases(self) -> list[np.ndarray]:
+    def _feature_bases(self, region: _Region) -> list[np.ndarray]:
         """Per feature, per record, the address in the region of the record's first
         sample of the feature (the short last record's own layout included)."""
-        assert self._record_base is not None
+        record_base = region.starts[self.shard_of] + self.index_in_shard * self.full.frame
         out = []
         for f in range(len(self.specs)):
-            first = self._record_base + self.full.feature_offsets[f]
+            first = record_base + self.full.feature_offsets[f]
             if self.short is not None and self.total_records:
                 first[-1] += self.short.feature_offsets[f] - self.full.feature_offsets[f]
             out.append(first)
