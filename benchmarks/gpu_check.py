@@ -6,11 +6,17 @@ capped at MB MiB through ``KERAS_TFR_GPU_MEMORY_MB``. Each process
 
 1. applies the cap with ``limit_gpu_memory()`` (read from the environment, as every
    child of the launcher does; ``import keras_tfr`` already applied it);
-2. allocates 64 MiB blocks on the GPU until the framework refuses (out of memory) or
+2. trains a small Keras model (a convolution and a dense layer, 2 epochs on 4,096
+   in-memory samples) on the GPU, when Keras is importable (``--no-train`` skips it): a
+   real trainer's libraries (cuBLAS, cuDNN, XLA's compiled kernels) are then loaded, so
+   the overhead measured below is a training process's, and the model trains under the
+   cap while the other processes do the same;
+3. allocates 64 MiB blocks on the GPU until the framework refuses (out of memory) or
    twice the cap is reached, then holds them for a few seconds, while the others do
    the same;
-3. prints one ``RESULT {json}`` line: the cap, the framework's own view of its limit,
-   the peak, the amount it managed to allocate, the device total, and when it held.
+4. prints one ``RESULT {json}`` line: the cap, the framework's own view of its limit,
+   the peak, the amount it managed to allocate, the device total, when it held, and
+   the training step's device, loss and time.
 
 The parent samples ``nvidia-smi`` meanwhile, to see what the processes take beyond
 their caps (the CUDA context and libraries), and prints one table. It passes when each
@@ -112,6 +118,51 @@ def _framework_limit_mb(backend: str) -> float | None:
     return None  # TensorFlow exposes no getter for memory_limit once set
 
 
+def _train(backend: str) -> dict:
+    """Trains a small Keras model where the backend puts it (the GPU when there is one)."""
+    try:
+        import keras
+    except ImportError:
+        return {"train_device": None, "train_error": "keras is not importable"}
+    import numpy as np
+
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0].platform
+    elif backend == "torch":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        import tensorflow as tf
+
+        device = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    rng = np.random.default_rng(int(os.environ.get("KERAS_TFR_PARALLEL_INDEX", "0")))
+    x = rng.random((4096, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 4096)
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    started = time.perf_counter()
+    try:
+        history = model.fit(x, y, batch_size=256, epochs=2, verbose=0)
+    except Exception as e:  # reported, and judged by the parent
+        return {"train_device": device, "train_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {
+        "train_device": device,
+        "train_loss": [round(float(v), 4) for v in history.history["loss"]],
+        "train_seconds": round(time.perf_counter() - started, 2),
+        "train_error": None,
+    }
+
+
 def _wait_for_the_others(timeout: float = 300.0) -> None:
     """A barrier through files: hold only once every process has filled its share."""
     barrier = os.environ.get("GPU_CHECK_BARRIER")
@@ -133,6 +184,8 @@ def child(args: argparse.Namespace) -> int:
     with limit_gpu_memory() as gpu:  # the launcher's KERAS_TFR_GPU_MEMORY_MB
         result.update(backend=gpu.backend, cap_mb=gpu.limit_mb, devices=gpu.devices)
         result["device_total_mb"] = gpu.total_mb[0] if gpu.total_mb else None
+        if args.train:
+            result.update(_train(gpu.backend))
         alloc, is_oom = _allocator(gpu.backend)
         blocks, error = [], None
         ceiling = 2 * (gpu.limit_mb or 1024)
@@ -239,6 +292,8 @@ def parent(args: argparse.Namespace) -> int:
     sampler.start()
     tee = _Tee()
     command = [sys.executable, os.path.abspath(__file__), "--child", "--hold", str(args.hold)]
+    if not args.train:
+        command.append("--no-train")
     with tempfile.TemporaryDirectory() as barrier:
         env["GPU_CHECK_BARRIER"] = barrier
         code = launch(
@@ -269,6 +324,13 @@ def parent(args: argparse.Namespace) -> int:
             f"{fmt(r['peak_mb']):>8}  {r['stopped_by_oom']!s:>14}  "
             f"{fmt(r['device_total_mb'], 'd'):>12}"
         )
+    trained = [r for r in results if "train_device" in r]
+    for r in trained:
+        print(
+            f"[{r['index']}] trained on {r['train_device']}: loss by epoch {r.get('train_loss')}"
+            f" in {r.get('train_seconds')} s"
+            + (f"; {r['train_error']}" if r["train_error"] else "")
+        )
     failures = []
     if code != 0:
         failures.append(f"the launcher returned {code}")
@@ -290,6 +352,11 @@ def parent(args: argparse.Namespace) -> int:
     if args.cpu_smoke:
         print("CPU smoke run: the plumbing works; no cap is proven without a GPU.")
         return 0 if not failures else 1
+    for r in trained:
+        if r["train_error"] is not None and r["train_device"] is not None:
+            failures.append(f"[{r['index']}] training under the cap failed: {r['train_error']}")
+        elif r["train_device"] not in (None, "gpu", "cuda"):
+            failures.append(f"[{r['index']}] trained on {r['train_device']}, not on the GPU")
     for r in results:
         cap = r["cap_mb"]
         if not r["stopped_by_oom"]:
@@ -312,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["auto", "jax", "torch", "tensorflow"], default="auto")
     parser.add_argument("--hold", type=float, default=5.0, help="seconds each holds its memory")
     parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: check the plumbing")
+    parser.add_argument(
+        "--no-train",
+        dest="train",
+        action="store_false",
+        help="skip the small Keras model each process trains under its cap",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     return child(args) if args.child else parent(args)

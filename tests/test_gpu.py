@@ -447,3 +447,24 @@ def test_cuda_driver_query_without_a_context():
         for i in range(torch.cuda.device_count())
     ]
     assert totals == expected
+
+
+@pytest.mark.subprocess
+def test_gpu_check_runs_trains_and_reports_on_the_cpu():
+    """`benchmarks/gpu_check.py --cpu-smoke`: the launcher's capped children train a Keras
+    model, fill their share and hold it together, and the parent reads their results."""
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_check.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    for name in (ENV_MEGABYTES, ENV_FRACTION):
+        env.pop(name, None)
+    args = ["--cpu-smoke", "-n", "2", "--gpu-memory-mb", "128", "--hold", "0.2", "--backend"]
+    done = subprocess.run(
+        [PY, script, *args, "jax"], env=env, capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    trained = [line for line in out.splitlines() if " trained on cpu: loss by epoch [" in line]
+    assert sorted(line[:3] for line in trained) == ["[0]", "[1]"], out
+    assert "all held their memory at the same time: True" in out
+    # Each child filled twice its cap (nothing caps the CPU) and said so.
+    assert out.count('"allocated_mb": 256') == 2, out
