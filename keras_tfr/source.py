@@ -50,8 +50,12 @@ _POOL_BYTES = 16 << 20
 # at most 32 batches). TensorFlow's AUTOTUNE grows a prefetch buffer while it runs, up to
 # half of the machine's RAM, and never shrinks it: a longer epoch (a larger data set)
 # then held more batches (measured: peak heap in use 151 MB reading 0.5 GB, 218 MB for
-# 2 GB, docs/benchmarks.md).
-_PREFETCH_BYTES = 32 << 20
+# 2 GB, docs/benchmarks.md). 2 MB, not more: a batch the model reads soon after it was
+# gathered is still in the CPU's cache. `fit` of the small benchmark shape (800 KB
+# batches) ran 7 % faster with 2 batches ahead than with 32; an eager Python loop over
+# tf.data's own iterator (not the source's, which bypasses tf.data) read 25 % slower
+# (docs/benchmarks.md, 2026-12-04).
+_PREFETCH_BYTES = 2 << 20
 _PREFETCH_BATCHES = (2, 32)
 _READERS = ("auto", "mapped", "direct", "graph")  # "direct": the old name of "mapped"
 _CORRUPT = re.compile(r"keras-tfr: corrupt record[^\n]*")

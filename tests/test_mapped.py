@@ -496,11 +496,11 @@ def _prefetch_depths(ds) -> list[int]:
 
 @pytest.mark.parametrize(
     ("batch_size", "depth"),
-    [(1, 32), (2_000, 32), (15_000, 8), (1_000_000, 2)],  # 264 B a sample: 32 MB of batches
+    [(1, 32), (200, 32), (2_000, 3), (15_000, 2), (1_000_000, 2)],  # 264 B a sample
 )
 def test_sample_mode_prefetches_a_bounded_number_of_batches(tmp_path, batch_size, depth):
     """AUTOTUNE grows a prefetch buffer as long as an epoch runs (up to half the RAM), so
-    a larger data set held more batches; sample mode prefetches 32 MB of batches (2 to 32)."""
+    a larger data set held more batches; sample mode prefetches 2 MB of batches (2 to 32)."""
     d = str(tmp_path / "ds")
     x = np.zeros((50, 64), np.float32)
     ArraysToRecords.from_arrays(x, np.arange(50, dtype=np.int64), d, verbose=0)
