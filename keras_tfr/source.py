@@ -52,8 +52,8 @@ _POOL_BYTES = 16 << 20
 # then held more batches (measured: peak heap in use 151 MB reading 0.5 GB, 218 MB for
 # 2 GB, docs/benchmarks.md). 2 MB, not more: a batch the model reads soon after it was
 # gathered is still in the CPU's cache. `fit` of the small benchmark shape (800 KB
-# batches) ran 7 % faster with 2 batches ahead than with 32; an eager Python loop over
-# tf.data's own iterator (not the source's, which bypasses tf.data) read 25 % slower
+# batches) ran 3-8 % faster with 2 batches ahead than with 32; an eager Python loop over
+# tf.data's own iterator (not the source's, which bypasses tf.data) read 25-30 % slower
 # (docs/benchmarks.md, 2026-12-04).
 _PREFETCH_BYTES = 2 << 20
 _PREFETCH_BATCHES = (2, 32)
