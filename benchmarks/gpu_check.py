@@ -326,6 +326,9 @@ def parent(args: argparse.Namespace) -> int:
         )
     trained = [r for r in results if "train_device" in r]
     for r in trained:
+        if r["train_device"] is None:
+            print(f"[{r['index']}] not trained: {r['train_error']}")
+            continue
         print(
             f"[{r['index']}] trained on {r['train_device']}: loss by epoch {r.get('train_loss')}"
             f" in {r.get('train_seconds')} s"
