@@ -258,8 +258,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         checks and damage handling (`CorruptRecordError`) as iterating the source, at
         the cost of the gather alone. Use it for loops that want NumPy (a custom
         training loop, JAX, torch); Keras' JAX and torch backends read a source in
-        sample mode this way in `fit`, `evaluate` and `predict`. Each batch is a new
-        array per feature, copied once from the page cache; keep it as long as you need.
+        sample mode this way in `fit`, `evaluate` and `predict`. Each batch is an array
+        per feature, copied once from the page cache, yours to keep; on a lattice (the
+        writer's default) each starts on a 64-byte boundary, so JAX takes it on the CPU
+        without a copy.
         In block mode this is `tf.data.Dataset.as_numpy_iterator`.
 
         Example:

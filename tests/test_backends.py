@@ -110,12 +110,19 @@ ADAPTER_SCRIPT = textwrap.dedent(
         else:
             batches = [np.asarray(b[0]) for b in adapter.get_jax_iterator()]
         epochs.append(np.concatenate(batches))
+    copied = None
+    if backend == "jax":  # aligned NumPy batches: `jax.device_put` (as `fit` calls it) aliases
+        import jax
+
+        copied = sum(
+            int(jax.device_put(b).unsafe_buffer_pointer() != b.ctypes.data) for b in batches
+        )
     same = [bool(np.array_equal(epochs[e], xs[src.sample_order(e)])) for e in range(2)]
     block = TFRecordSequenceSource(d, batch_size=32, seed=5, access="blocks")
     before = pulled[0]
     n_block = sum(len(b[0]) for b in get_data_adapter(block).get_numpy_iterator())
     print(json.dumps({"same": same, "pulled": before, "block_pulled": pulled[0] - before,
-                      "n_block": n_block}))
+                      "n_block": n_block, "copied": copied}))
     """
 )
 
@@ -125,8 +132,9 @@ ADAPTER_SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, backend):
     """Keras' JAX/torch adapters take a sample-mode source's batches from
-    `as_numpy_iterator` (the epoch's sample order, bit for bit, a new epoch per call);
-    a block-mode source still goes through Keras' own tf.data iteration."""
+    `as_numpy_iterator` (the epoch's sample order, bit for bit, a new epoch per call;
+    under JAX, each batch aligned so that `jax.device_put` does not copy it); a
+    block-mode source still goes through Keras' own tf.data iteration."""
     pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
     d, xs = learnable
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -142,3 +150,5 @@ def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, back
     assert res["same"] == [True, True]
     assert res["pulled"] >= 2 * 32  # 32 batches of 32 per epoch, through NumpyBatches
     assert res["block_pulled"] == 0 and res["n_block"] == 1000
+    if backend == "jax":  # on the CPU, JAX takes every batch without a copy
+        assert res["copied"] == 0

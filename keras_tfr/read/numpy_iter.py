@@ -4,12 +4,15 @@
 wants NumPy (a custom training loop, the JAX and torch Keras backends) would otherwise
 pull each batch out of tf.data as a tensor and convert it back: about 130 µs of CPU per
 batch on top of the gather, a third of what the whole gather of a 256 x 3 KB batch costs.
-Here each batch is a new array per feature, copied once from the page cache by the
+Here each batch is an array per feature, copied once from the page cache by the
 reader threads (a sorted fancy index of a memory-mapped array copies as much), with the
 same order, the same checks (every record's CRC and layout
 before any of its samples is handed out) and the same epochs as the tf.data pipeline.
-`TensorBatches` hands the same batches out as `tf.Tensor`s (64-byte aligned arrays made
-into tensors through DLPack, no second copy): what a Python loop over a sample-mode
+On a lattice (the writer's default) every array starts on a 64-byte boundary: the
+batches of one unit (about 8 MB) are views of one aligned buffer, gathered by one
+`np.take` per feature. JAX on the CPU then takes each batch without a copy (an unaligned
+array is copied by `jax.device_put`), and `TensorBatches` hands the same batches out as
+`tf.Tensor`s made through DLPack, no second copy: what a Python loop over a sample-mode
 source gets.
 """
 
@@ -43,10 +46,13 @@ class NumpyBatches:
         structure: Callable[[dict[str, np.ndarray]], Any],
         pad_batches: int,
         convert_error: Callable[[BaseException], BaseException | None],
-        aligned: bool = False,
     ):
         self._plan = plan
-        self._aligned = aligned
+        # On a lattice every array starts on a 64-byte boundary (still one copy): what
+        # TensorFlow needs of a buffer it adopts through DLPack, and what JAX needs to
+        # take a NumPy array on the CPU without copying it (`jax.device_put`, once per
+        # batch in Keras' JAX `fit`).
+        self._aligned = plan.lattice_rows is not None
         self._next_epoch = next_epoch
         self._structure = structure
         self._pad = int(pad_batches)
@@ -120,17 +126,13 @@ class NumpyBatches:
 
 class TensorBatches(NumpyBatches):
     """One epoch (one iterator) of batches as `tf.Tensor`s, straight from the
-    memory-mapped reader: the batches `NumpyBatches` makes, each array on a 64-byte
-    boundary (``aligned``; still copied once from the page cache) and handed to
+    memory-mapped reader: the batches `NumpyBatches` makes (on a lattice, each array on
+    a 64-byte boundary, copied once from the page cache), each handed to
     TensorFlow through DLPack, which makes a tensor over its memory without a copy
     (about 3 µs, against 80-130 µs for `tf.convert_to_tensor`, which copies). What a
     Python loop over a sample-mode source gets in place of tf.data's eager iterator
     (`TFRecordSequenceSource.__iter__`).
     """
-
-    def __init__(self, *args: Any):  # `NumpyBatches`' arguments but ``aligned``
-        super().__init__(*args)
-        self._aligned = True  # read when the epoch starts (the first batch pulled)
 
     def _leaf_fn(self) -> Callable[[np.ndarray], Any]:
         import tensorflow as tf
