@@ -37,7 +37,8 @@ How:
   ``[rows, row_bytes]`` tensor over the whole range: a tensor TensorFlow gets through
   DLPack, aliasing the mapped pages (no copy). Python runs once per unit (8,192 samples
   or more, ``readers`` at a time): order, checks, row numbers; TensorFlow then gathers
-  each batch with `tf.gather` in its own threads, as Keras does for in-memory arrays.
+  each batch with `tf.gather` in its own threads, as Keras does for in-memory arrays
+  (several batches at once below 4 MB a batch, one at a time from 4 MB up).
 * **Hand-off to tf.data otherwise** (`dataset`, data sets written before the lattice or
   with ``lattice=False``). Each unit is one Python call in a parallel ``map``
   (``readers`` at a time, in TensorFlow's threads), gathered into recycled
@@ -90,6 +91,11 @@ _UNIT_BYTES = 8 << 20  # what one unit holds: several batches
 _CHUNK_BYTES = 120 << 10  # small samples are gathered in cache-sized pieces (see `gather`)
 _LATTICE_UNIT_ROWS = 8192  # samples per unit, at least, on a lattice (row numbers only)
 _ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few units)
+# Batches of this size or more are gathered one at a time (a plain `map`: `tf.gather`
+# still spreads one large copy over TensorFlow's threads); smaller ones several at once.
+# `fit` on 12.5 MB batches ran 15-20 % faster so, and no slower on 0.8 MB batches, whose
+# gathers in parallel read 38 % faster with no model (docs/benchmarks.md, 2026-12-04).
+_SEQUENTIAL_GATHER_BYTES = 4 << 20
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
 _EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
 _TRUNCATED = "the file ends inside this record (truncated)"
@@ -1076,6 +1082,7 @@ def lattice_dataset(
     # The mapped tensors travel with each element, as Keras' in-memory arrays do, rather
     # than as captured inputs of `gather`.
     views = tf.data.Dataset.from_tensors(tuple(region)).repeat()
+    parallel = plan.batch_bytes < _SEQUENTIAL_GATHER_BYTES
     return tf.data.Dataset.zip((batches, views)).map(
-        gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+        gather, num_parallel_calls=tf.data.AUTOTUNE if parallel else None, deterministic=True
     )
