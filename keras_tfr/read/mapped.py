@@ -45,13 +45,14 @@ How:
   64-byte-aligned buffers that TensorFlow adopts without a copy; a buffer is reused once
   nothing refers to it any more (a weak-reference finalizer on the array handed out, not
   a reference count). Nothing is read ahead past an iterator.
-* **Hand-off to NumPy** (`keras_tfr.read.numpy_iter`). Each batch is a new array per
-  feature, copied once (`MappedPlan.gather_batches`); each iterator owns ``readers``
-  threads and releases them when it ends or is dropped.
+* **Hand-off to NumPy** (`keras_tfr.read.numpy_iter`). Each batch is an array per
+  feature, copied once (`MappedPlan.gather_batches`); on a lattice every array is
+  64-byte aligned (``aligned``: `np.take` from the ``[rows, row_bytes]`` view into an
+  aligned array, still one copy), so JAX takes it on the CPU without a copy. Each
+  iterator owns ``readers`` threads and releases them when it ends or is dropped.
 * **Hand-off to a Python loop over the source** (`keras_tfr.read.numpy_iter.TensorBatches`,
-  on a lattice). The NumPy hand-off with every array 64-byte aligned (``aligned``:
-  `np.take` from the ``[rows, row_bytes]`` view into an aligned array, still one copy),
-  each handed to TensorFlow through DLPack as a tensor over that memory.
+  on a lattice). The NumPy hand-off's aligned arrays, each handed to TensorFlow through
+  DLPack as a tensor over that memory.
 * **Memory maps and truncation.** A shard replaced on disk (written anew and renamed
   over, as keras-tfr's writer does) keeps its old mapping until the next epoch starts,
   where the change is found and the shard is mapped again and checked again. A shard

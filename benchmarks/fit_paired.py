@@ -1,0 +1,138 @@
+"""`fit` on keras-tfr against `fit` on in-memory NumPy, epoch by epoch in one process.
+
+On a shared VM a process's speed moves by 10-20 % within minutes, which hides a few
+percent between two pipelines measured in separate processes. Here one model is fitted
+for one epoch on the NumPy arrays, then one epoch on a `TFRecordSequenceSource` of the
+same data, and so on (the order flips each round, the first round is warm-up); each
+epoch is timed alone and each keras-tfr epoch is divided by the NumPy epoch of its
+round. It prints the median of those ratios, each pipeline's median rate and CPU-seconds
+per epoch (all threads), and every ratio.
+
+Shapes (float32, batch 256, Flatten + Dense(10), as `run_all.py`'s ``fit`` rows):
+``small`` 160,000 x 28x28x1 (0.5 GB), ``large`` 16,384 x 64x64x3 (0.8 GB).
+
+Usage::
+
+    python benchmarks/fit_paired.py --shape large --rounds 12
+    python benchmarks/fit_paired.py --shape small --backend jax --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
+BATCH = 256
+
+
+def generate(data: str, samples: int, shape: tuple[int, ...]) -> None:
+    from keras_tfr import ArraysToRecords
+
+    x = np.lib.format.open_memmap(
+        os.path.join(data, "x.npy"), mode="w+", dtype=np.float32, shape=(samples, *shape)
+    )
+    y = np.lib.format.open_memmap(
+        os.path.join(data, "y.npy"), mode="w+", dtype=np.int32, shape=(samples,)
+    )
+    rng = np.random.default_rng(0)
+    step = max(1, (64 << 20) // (4 * int(np.prod(shape))))
+    for i in range(0, samples, step):
+        j = min(samples, i + step)
+        x[i:j] = rng.random((j - i, *shape), dtype=np.float32)
+        y[i:j] = rng.integers(0, 10, j - i, dtype=np.int32)
+    x.flush()
+    y.flush()
+    ArraysToRecords.from_arrays(x, y, os.path.join(data, "ktfr"), verbose=0)
+
+
+def worker(data: str, rounds: int) -> dict:
+    import keras
+
+    from keras_tfr import TFRecordSequenceSource
+
+    x, y = np.load(os.path.join(data, "x.npy")), np.load(os.path.join(data, "y.npy"))
+    src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
+    model = keras.Sequential(
+        [keras.Input(x.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    last: dict[str, float] = {}
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            last["wall"] = time.perf_counter() - self.t0
+            last["cpu"] = time.process_time() - self.c0
+
+    rates: dict[str, list[float]] = {"numpy": [], "keras-tfr": []}
+    cpus: dict[str, list[float]] = {"numpy": [], "keras-tfr": []}
+    for r in range(rounds + 1):
+        order = ("numpy", "keras-tfr") if r % 2 == 0 else ("keras-tfr", "numpy")
+        for p in order:
+            if p == "numpy":
+                model.fit(x, y, batch_size=BATCH, shuffle=True, epochs=1, verbose=0,
+                          callbacks=[Timer()])  # fmt: skip
+            else:
+                model.fit(src, epochs=1, verbose=0, callbacks=[Timer()])
+            if r:  # round 0 traces and warms up
+                rates[p].append(len(x) / last["wall"])
+                cpus[p].append(last["cpu"])
+    return {"rates": rates, "cpus": cpus, "backend": keras.backend.backend()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--backend", default="tensorflow", choices=["tensorflow", "jax", "torch"])
+    ap.add_argument("--rounds", type=int, default=10)
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    samples, shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory(prefix="keras-tfr-fit-paired-") as data:
+        generate(data, samples, shape)
+        env = {**os.environ, "KERAS_BACKEND": args.backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run(
+            [sys.executable, __file__, "--_worker", data, str(args.rounds)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return 1
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["backend"] == args.backend, res
+    ours, theirs = res["rates"]["keras-tfr"], res["rates"]["numpy"]
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    print(
+        f"fit under {res['backend']}, {args.shape}: {samples} x {shape} float32, batch "
+        f"{BATCH}, {args.rounds} rounds of one epoch each, alternated in one process"
+    )
+    print(f"keras-tfr / in-memory NumPy, median of the rounds: {statistics.median(ratios):.3f}x")
+    for p in ("keras-tfr", "numpy"):
+        print(
+            f"  {p:10s} {statistics.median(res['rates'][p]):10,.0f} ex/s, "
+            f"{statistics.median(res['cpus'][p]):.3f} CPU-s per epoch"
+        )
+    print("  ratios:", [round(v, 3) for v in ratios])
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
+        print(json.dumps(worker(sys.argv[2], int(sys.argv[3]))))
+    else:
+        sys.exit(main())
