@@ -673,8 +673,9 @@ class Epoch:
         self.number = number
         self.unit_rows = unit_rows or plan.unit_rows
         # ``batches``: units come as lists of batches of new arrays (`gather_batches`,
-        # for NumPy consumers; 64-byte aligned with ``aligned``, for tensors made through
-        # DLPack), else as aligned recycled buffers (`gather`, for tf.data). ``finish``
+        # for NumPy consumers; 64-byte aligned with ``aligned``, on a lattice: for JAX
+        # and for tensors made through DLPack), else as aligned recycled buffers
+        # (`gather`, for tf.data). ``finish``
         # turns a unit's batches into what the consumer is handed, in the reader thread:
         # the consumer's thread only takes them.
         self._gather: Callable[[np.ndarray], Any] = plan.gather

@@ -8,10 +8,11 @@ Here each batch is an array per feature, copied once from the page cache by the
 reader threads (a sorted fancy index of a memory-mapped array copies as much), with the
 same order, the same checks (every record's CRC and layout
 before any of its samples is handed out) and the same epochs as the tf.data pipeline.
-On a lattice (the writer's default) every array starts on a 64-byte boundary: the
-batches of one unit (about 8 MB) are views of one aligned buffer, gathered by one
-`np.take` per feature. JAX on the CPU then takes each batch without a copy (an unaligned
-array is copied by `jax.device_put`), and `TensorBatches` hands the same batches out as
+On a lattice (the writer's default) every array starts on a 64-byte boundary: where a
+batch's bytes are a multiple of 64, the batches of one unit (about 8 MB) are views of one
+aligned buffer gathered by one `np.take` per feature, else each batch has its own.
+JAX on the CPU then takes each batch without a copy (an unaligned array is copied by
+`jax.device_put`), and `TensorBatches` hands the same batches out as
 `tf.Tensor`s made through DLPack, no second copy: what a Python loop over a sample-mode
 source gets.
 """
