@@ -83,19 +83,22 @@ def worker(data: str, pipeline: str) -> dict:
     return {"examples_per_s": n / wall, "cpu_s": cpu, "backend": keras.backend.backend()}
 
 
-def generate(data: str, samples: int) -> None:
+def generate(data: str, samples: int, shape: tuple[int, ...] = SHAPE) -> None:
+    """Random float32 ``x`` of ``shape`` and int32 labels as ``x.npy``/``y.npy``, and the
+    same arrays written by keras-tfr under ``ktfr``, 64 MB of samples at a time."""
     from keras_tfr import ArraysToRecords
 
     x = np.lib.format.open_memmap(
-        os.path.join(data, "x.npy"), mode="w+", dtype=np.float32, shape=(samples, *SHAPE)
+        os.path.join(data, "x.npy"), mode="w+", dtype=np.float32, shape=(samples, *shape)
     )
     y = np.lib.format.open_memmap(
         os.path.join(data, "y.npy"), mode="w+", dtype=np.int32, shape=(samples,)
     )
     rng = np.random.default_rng(0)
-    for i in range(0, samples, 8192):
-        j = min(samples, i + 8192)
-        x[i:j] = rng.random((j - i, *SHAPE), dtype=np.float32)
+    step = max(1, (64 << 20) // (4 * int(np.prod(shape))))
+    for i in range(0, samples, step):
+        j = min(samples, i + step)
+        x[i:j] = rng.random((j - i, *shape), dtype=np.float32)
         y[i:j] = rng.integers(0, 10, j - i, dtype=np.int32)
     x.flush()
     y.flush()

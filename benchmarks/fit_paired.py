@@ -30,28 +30,11 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from backend_fit import generate
+
 SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
 BATCH = 256
-
-
-def generate(data: str, samples: int, shape: tuple[int, ...]) -> None:
-    from keras_tfr import ArraysToRecords
-
-    x = np.lib.format.open_memmap(
-        os.path.join(data, "x.npy"), mode="w+", dtype=np.float32, shape=(samples, *shape)
-    )
-    y = np.lib.format.open_memmap(
-        os.path.join(data, "y.npy"), mode="w+", dtype=np.int32, shape=(samples,)
-    )
-    rng = np.random.default_rng(0)
-    step = max(1, (64 << 20) // (4 * int(np.prod(shape))))
-    for i in range(0, samples, step):
-        j = min(samples, i + step)
-        x[i:j] = rng.random((j - i, *shape), dtype=np.float32)
-        y[i:j] = rng.integers(0, 10, j - i, dtype=np.int32)
-    x.flush()
-    y.flush()
-    ArraysToRecords.from_arrays(x, y, os.path.join(data, "ktfr"), verbose=0)
 
 
 def worker(data: str, rounds: int) -> dict:
