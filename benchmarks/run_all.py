@@ -481,7 +481,12 @@ class _EpochTimer:
         self.cb = CB()
 
 
-def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[str, Any]:
+def work_fit(
+    p: dict[str, str], pipeline: str, shape: tuple[int, ...], reader: Any = None
+) -> dict[str, Any]:
+    """One ``fit`` of `FIT_EPOCHS` epochs: its fastest epoch after the first. ``reader``
+    (as `_tf_read_pipeline`) makes the data of the pipelines that are not NumPy arrays
+    or the PyDataset peer (`gpu_fit.py` passes one that needs no TensorFlow)."""
     import keras
 
     keras.utils.set_random_seed(0)
@@ -523,7 +528,7 @@ def work_fit(p: dict[str, str], pipeline: str, shape: tuple[int, ...]) -> dict[s
 
         model.fit(MemmapBatches(), epochs=FIT_EPOCHS, verbose=0, callbacks=[timer])
     else:
-        ds = _tf_read_pipeline(p, pipeline, shape)
+        ds = (reader or _tf_read_pipeline)(p, pipeline, shape)
         n = int(np.load(p["y"], mmap_mode="r").shape[0])
         model.fit(ds, epochs=FIT_EPOCHS, verbose=0, callbacks=[timer])
     # Fastest of epochs 2 and later: compiled, caches warm; epoch 1 also holds tracing.
