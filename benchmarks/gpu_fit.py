@@ -6,8 +6,9 @@ the JAX and torch Keras backends, though, nothing of TensorFlow runs per batch: 
 reads a sample-mode source through `as_numpy_iterator` (``keras_tfr/_compat/
 keras_numpy.py``), one `keras_tfr.read.numpy_iter.NumpyBatches` per epoch over the
 source's `keras_tfr.read.mapped.MappedPlan`. This script builds that same reader without
-TensorFlow, with the source's defaults (``shuffle=True``, ``seed=0``, ``verify=
-"first_read"``, ``min(8, max(2, cpu_count))`` reader threads), and hands it to ``fit``
+TensorFlow, as ``TFRecordSequenceSource(directory, 256, seed=0)`` makes it (the defaults
+``shuffle=True``, ``verify="first_read"``, ``min(8, max(2, cpu_count))`` reader
+threads), and hands it to ``fit``
 through a Keras ``DataAdapter`` that does what the hooked ``TFDatasetAdapter`` does: a
 new `NumpyBatches` per epoch for JAX (``get_jax_iterator``), Keras' own
 ``get_torch_dataloader`` over those epochs for torch. ``--self-check`` (where TensorFlow
@@ -65,7 +66,7 @@ READ = ["keras-tfr", "memmap-threads"]
 class NumpyEpochs:
     """A sample-mode source's NumPy hand-off (what Keras' JAX and torch backends read),
     built without TensorFlow: `as_numpy_iterator` is one `NumpyBatches` per epoch,
-    epochs 0, 1, 2, ... in turn, with the source's default options."""
+    epochs 0, 1, 2, ... in turn, with the source's default options and ``seed``."""
 
     def __init__(self, directory: str, batch_size: int = bench.BATCH, seed: int = 0):
         from keras_tfr.manifest import Manifest
@@ -168,8 +169,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import keras
 
     res = bench.work_fit(p, spec["pipeline"], shape, reader=reader)
-    res["backend"] = keras.backend.backend()
-    res["device"] = _device(res["backend"])
+    res["keras_backend"] = keras.backend.backend()
+    res["device"] = _device(res["keras_backend"])
     return res
 
 

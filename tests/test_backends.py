@@ -152,3 +152,53 @@ def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, back
     assert res["block_pulled"] == 0 and res["n_block"] == 1000
     if backend == "jax":  # on the CPU, JAX takes every batch without a copy
         assert res["copied"] == 0
+
+
+GPU_FIT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "gpu_fit.py")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_gpu_fit_harness_reads_as_the_source_does_and_runs_without_tensorflow(tmp_path):
+    """`benchmarks/gpu_fit.py`, the GPU machine's check (JAX and torch there, no
+    TensorFlow): its reader hands out the source's `as_numpy_iterator` batches bit for
+    bit, and with TensorFlow made unimportable it still writes, reads and fits under
+    JAX, every pipeline delivering every sample."""
+    pytest.importorskip("jax", reason="the jax backend is not installed")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    check = subprocess.run(
+        [sys.executable, GPU_FIT, "--self-check", "--samples", "1500"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "self-check passed" in check.stdout
+    no_tf = tmp_path / "no_tf" / "tensorflow"
+    no_tf.mkdir(parents=True)
+    (no_tf / "__init__.py").write_text("raise ImportError('no TensorFlow on this machine')\n")
+    env["PYTHONPATH"] = os.pathsep.join([str(no_tf.parent), env.get("PYTHONPATH", "")])
+    out_json = tmp_path / "gpu_fit.json"
+    run = subprocess.run(
+        [sys.executable, GPU_FIT, "--backends", "jax", "--shapes", "small", "--rounds", "1",
+         "--samples", "1000", "--data-dir", str(tmp_path / "data"), "--out", str(out_json)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out_json.read_text())["results"]
+    got = {(r["kind"], r["pipeline"]): r for r in results}
+    assert set(got) == {
+        ("read", "keras-tfr"),
+        ("read", "memmap-threads"),
+        ("fit", "numpy"),
+        ("fit", "memmap-pydataset"),
+        ("fit", "keras-tfr"),
+    }
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["examples"] == 1000 and r["seconds"] > 0, r
+    assert {got[("fit", p)]["keras_backend"] for p in ("numpy", "keras-tfr")} == {"jax"}
