@@ -206,11 +206,7 @@ def self_check(samples: int) -> int:
 
     with tempfile.TemporaryDirectory(prefix="keras-tfr-gpu-fit-") as data:
         p = bench._paths(data, "small")
-        bench.work_gen(p, samples, bench.SHAPES["small"]["shape"])
-        from keras_tfr import ArraysToRecords
-
-        x, y = bench._load_xy(p)
-        ArraysToRecords.from_arrays(x, y, p["ktfr"], verbose=0)
+        _generate(p, samples, bench.SHAPES["small"]["shape"])
         ours, src = NumpyEpochs(p["ktfr"]), TFRecordSequenceSource(p["ktfr"], 256, seed=0)
         for epoch in range(2):
             a, b = list(ours.as_numpy_iterator()), list(src.as_numpy_iterator())
@@ -249,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in shapes:
             cfg = bench.SHAPES[name]
             n, shape = args.samples or cfg["samples"], tuple(cfg["shape"])
-            p = bench._paths(args.data_dir, name)
             t0 = time.perf_counter()
             gen = {"kind": "gen", "data": args.data_dir, "shape_name": name, "shape": shape}
             res = run({**gen, "samples": n}, backends[0], 600)
@@ -267,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     res.update(shape=name, kind=kind, backend=backend, pipeline=pipeline)
                     res["round"] = r
                     report["results"].append(res)
-                    _say(res, p)
+                    _say(res)
                     if args.out:
                         with open(args.out, "w") as f:
                             json.dump(report, f, indent=1)
@@ -278,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _say(res: dict[str, Any], p: dict[str, str]) -> None:
+def _say(res: dict[str, Any]) -> None:
     head = f"{res['shape']:6s} {res['kind']:4s} {res['backend']:6s} {res['pipeline']:18s}"
     if "error" in res:
         print(f"{head} ERROR {res['error'][-800:]}", flush=True)
@@ -291,7 +286,6 @@ def _table(results: list[dict[str, Any]]) -> None:
     """Median rate per (shape, kind, backend, pipeline), and keras-tfr / each peer."""
     groups: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     cpu: dict[tuple[str, str, str, str], list[float]] = {}
-    gb: dict[str, float] = {}
     for res in results:
         if "error" in res:
             continue
@@ -300,7 +294,6 @@ def _table(results: list[dict[str, Any]]) -> None:
         groups.setdefault(key, {}).setdefault(res["pipeline"], []).append(rate)
         per_gb = res["cpu_seconds"] / (res["examples"] * _sample_bytes(res["shape"]) / 1e9)
         cpu.setdefault((*key, res["pipeline"]), []).append(per_gb)
-        gb[res["shape"]] = res["examples"] * _sample_bytes(res["shape"]) / 1e9
     print()
     print(
         f"{'shape':6s} {'bench':5s} {'backend':7s} {'pipeline':18s} {'examples/s':>12s} "
@@ -333,14 +326,19 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _generate(p: dict[str, str], samples: int, shape: tuple[int, ...]) -> None:
+    """run_all's random ``x.npy``/``y.npy``, and the same arrays written by keras-tfr."""
+    from keras_tfr import ArraysToRecords
+
+    bench.work_gen(p, samples, shape)
+    x, y = bench._load_xy(p)
+    ArraysToRecords.from_arrays(x, y, p["ktfr"], verbose=0)
+
+
 def _worker_main(spec: dict[str, Any]) -> None:
     if spec["kind"] == "gen":
         p = bench._paths(spec["data"], spec["shape_name"])
-        bench.work_gen(p, spec["samples"], tuple(spec["shape"]))
-        from keras_tfr import ArraysToRecords
-
-        x, y = bench._load_xy(p)
-        ArraysToRecords.from_arrays(x, y, p["ktfr"], verbose=0)
+        _generate(p, spec["samples"], tuple(spec["shape"]))
         result: dict[str, Any] = {}
     else:
         result = worker(spec)
