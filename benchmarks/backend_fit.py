@@ -105,6 +105,26 @@ def generate(data: str, samples: int, shape: tuple[int, ...] = SHAPE) -> None:
     ArraysToRecords.from_arrays(x, y, os.path.join(data, "ktfr"), verbose=0)
 
 
+def run_worker(script: str, args: list[str], backend: str, timeout: float) -> dict | None:
+    """Runs ``script --_worker *args`` in a new process under Keras backend ``backend``
+    and returns its last line of output as JSON (checked to be that backend's), or None
+    after printing the end of its stderr when it failed."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, script, "--_worker", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return None
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["backend"] == backend, res
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="jax", choices=["jax", "torch", "tensorflow"])
@@ -113,24 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="keras-tfr-backend-fit-") as data:
         generate(data, args.samples)
-        env = {**os.environ, "KERAS_BACKEND": args.backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
         pipelines = PIPELINES[args.backend]
         rates: dict[str, list[float]] = {p: [] for p in pipelines}
         cpus: dict[str, list[float]] = {p: [] for p in pipelines}
         for _ in range(args.rounds):
             for p in pipelines:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--_worker", data, p],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=1800,
-                )
-                if out.returncode != 0:
-                    print(out.stderr[-3000:], file=sys.stderr)
+                res = run_worker(__file__, [data, p], args.backend, 1800)
+                if res is None:
                     return 1
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                assert res["backend"] == args.backend, res
                 rates[p].append(res["examples_per_s"])
                 cpus[p].append(res["cpu_s"])
     ours = statistics.median(rates["keras-tfr"])

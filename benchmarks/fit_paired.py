@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from backend_fit import generate
+from backend_fit import generate, run_worker
 
 SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
 BATCH = 256
@@ -85,19 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     samples, shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory(prefix="keras-tfr-fit-paired-") as data:
         generate(data, samples, shape)
-        env = {**os.environ, "KERAS_BACKEND": args.backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-        out = subprocess.run(
-            [sys.executable, __file__, "--_worker", data, str(args.rounds)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-        )
-    if out.returncode != 0:
-        print(out.stderr[-3000:], file=sys.stderr)
+        res = run_worker(__file__, [data, str(args.rounds)], args.backend, 3600)
+    if res is None:
         return 1
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["backend"] == args.backend, res
     ours, theirs = res["rates"]["keras-tfr"], res["rates"]["numpy"]
     ratios = [a / b for a, b in zip(ours, theirs)]
     print(
