@@ -11,12 +11,14 @@ import os
 import platform
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
+from keras_tfr.errors import ShardError
 from keras_tfr.manifest import Manifest
 from keras_tfr.read import mapped
 
@@ -539,3 +541,82 @@ def test_sample_mode_prefetches_a_bounded_number_of_batches(tmp_path, batch_size
     assert _prefetch_depths(src) == [depth]
     blocks = TFRecordSequenceSource(d, batch_size=batch_size, access="blocks")
     assert -1 in _prefetch_depths(blocks)  # block mode keeps AUTOTUNE (bursty pools)
+
+
+TRUNCATE_CHILD = """
+import os, sys
+import numpy as np
+
+how, where, shard, cut = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if how == "np.memmap":  # the peer: the same memory map, without keras-tfr
+    a = np.load(where, mmap_mode="r")
+    first = float(a[:64].sum())
+    os.truncate(where, cut)
+    print(float(a[-64:].sum()))
+else:
+    from keras_tfr import TFRecordSequenceSource
+    from keras_tfr.read import mapped
+
+    # Units of 4 batches, so that most of the epoch is still to be read when the shard is
+    # cut: the readers run only a few units ahead.
+    mapped._UNIT_BYTES = 4 * 64 * 1024
+    mapped._LATTICE_UNIT_ROWS = 256
+    if how.startswith("tf.data"):  # the pipeline `fit` runs
+        TFRecordSequenceSource._tensor_direct = lambda self: False
+    src = TFRecordSequenceSource(where, batch_size=64, seed=0)
+    it = iter(src.as_numpy_iterator() if how == "numpy" else src)
+    next(it)
+    os.truncate(shard, cut)  # in place, as `open(path, "w")` or `cp` over it would
+    print(sum(1 for _ in it))
+print("finished")
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGBUS as Linux sends it")
+@pytest.mark.parametrize("how", ["np.memmap", "tensors", "tf.data", "tf.data-buffers", "numpy"])
+def test_shard_truncated_in_place_mid_epoch_ends_the_process_as_for_np_memmap(tmp_path, how):
+    """What docs/reliability.md says of a shard truncated *in place* while an epoch reads
+    it: the process gets SIGBUS, as it does with `np.memmap`; nothing else is damaged, and
+    the next source names the truncated shard."""
+    import hashlib
+    import signal
+    import subprocess
+
+    x = np.random.default_rng(4).standard_normal((16_000, 256)).astype(np.float32)
+    if how == "np.memmap":
+        where = shard = str(tmp_path / "x.npy")
+        np.save(where, x)
+        cut = 4096
+    else:
+        where = str(tmp_path / "ds")
+        lattice = how != "tf.data-buffers" and how != "numpy"
+        m = ArraysToRecords.from_arrays(x, None, where, min_shards=4, lattice=lattice, verbose=0)
+        assert (m.lattice is not None) == lattice
+        shard = m.shard_path(m.shards[2])
+        cut = m.record_bytes + 16 + 5  # one whole record, then 5 bytes of the next
+        others = {
+            p: hashlib.sha256(Path(p).read_bytes()).hexdigest()
+            for p in (m.shard_path(s) for s in m.shards)
+            if p != shard
+        }
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_CHILD, how, where, shard, str(cut)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr[-3000:])
+    assert "finished" not in out.stdout
+    assert os.path.getsize(shard) == cut
+    if how == "np.memmap":
+        return
+    # The other shards are as written, and a new source refuses the data set, naming the
+    # shard that was cut and its size.
+    for p, digest in others.items():
+        assert hashlib.sha256(Path(p).read_bytes()).hexdigest() == digest, p
+    name = os.path.basename(shard)
+    with pytest.raises(ShardError, match=f"{name}: {cut} bytes, the manifest records"):
+        TFRecordSequenceSource(where, batch_size=64, seed=0)
