@@ -58,7 +58,11 @@ _POOL_BYTES = 16 << 20
 _PREFETCH_BYTES = 2 << 20
 _PREFETCH_BATCHES = (2, 32)
 _READERS = ("auto", "mapped", "direct", "graph")  # "direct": the old name of "mapped"
-_CORRUPT = re.compile(r"keras-tfr: corrupt record[^\n]*")
+# keras-tfr's damage message inside a TensorFlow error: bare (raised in Python, e.g. by a
+# py_function), or, from a `tf.debugging.Assert` of block mode, in the brackets TensorFlow
+# wraps around each value it prints ("assertion failed: [keras-tfr: ...]"): the brackets
+# are TensorFlow's, not part of the message.
+_CORRUPT = re.compile(r"\[(keras-tfr: corrupt record[^\n]*)\]|(keras-tfr: corrupt record[^\n]*)")
 _CORRUPT_AT = re.compile(r"in (.+?) at byte offset (\d+)")
 
 
@@ -342,7 +346,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         Each iterator that starts reading is otherwise the next epoch (0, 1, 2, ...; Keras
         makes one per epoch), and each later one goes on from there. The order of epoch
         ``e`` depends on ``(seed, e)`` alone, so a job that restarts can go on with the
-        same order (what `keras_tfr.BackupAndRestore` does).
+        same order (what `keras_tfr.BackupAndRestore` does). On the tf.data service
+        (``service=``) it has no effect, and logs a warning saying so: the service's
+        workers draw each iterator's order.
 
         Example:
             >>> train.set_epoch(3, step=120)  # the next iterator yields epoch 3's batch 120 on
@@ -355,6 +361,13 @@ class TFRecordSequenceSource(tf.data.Dataset):
             raise ValueError(
                 f"Expected `step` in [0, {self._steps}] (the source's steps per epoch). "
                 f"Received: {step}"
+            )
+        if self._cfg.service is not None:
+            log.warning(
+                "keras-tfr: set_epoch(%d, step=%d) has no effect with `service=`: the "
+                "tf.data service's workers draw each iterator's order, from its first batch",
+                epoch,
+                step,
             )
         self._clock.set(epoch, step)
 
@@ -880,7 +893,7 @@ def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:
     found = _CORRUPT.search(str(error))
     if found is None:
         return None
-    message = found.group(0)
+    message = found.group(1) or found.group(2)
     where = _CORRUPT_AT.search(message)
     file = where.group(1) if where else None
     offset = int(where.group(2)) if where else None

@@ -191,3 +191,23 @@ def test_private_keras_apis_are_where_the_fix_expects_them():
         assert tuple(inspect.signature(function).parameters) == parameters, path
     module, trainer = keras_dist._resolve()
     assert trainer is module.TensorFlowTrainer
+
+
+def test_corrupt_record_patch_is_left_out_outside_the_verified_keras_versions(monkeypatch):
+    """docs/reliability.md: the patch that makes `fit` raise `CorruptRecordError` is
+    installed only on the Keras versions it was checked on; elsewhere nothing changes."""
+    from keras_tfr._compat import keras_errors
+
+    cls = keras_errors.epoch_iterator_class()
+    before = cls.catch_stop_iteration
+    monkeypatch.setattr(keras_errors, "_installed", False)
+    lo, hi = keras_errors.VERIFIED_KERAS
+    for outside in (hi, (hi[0], hi[1] + 5), (lo[0] - 1, 9)):
+        monkeypatch.setattr(keras_errors, "keras_version", lambda v=outside: v)
+        assert keras_errors.install_corrupt_record_errors(lambda e: None) is False, outside
+        assert cls.catch_stop_iteration is before
+    # Inside the range it is installed (undone by monkeypatch when the test ends).
+    monkeypatch.setattr(cls, "catch_stop_iteration", before)
+    monkeypatch.setattr(keras_errors, "keras_version", lambda: lo)
+    assert keras_errors.install_corrupt_record_errors(lambda e: None) is True
+    assert cls.catch_stop_iteration is not before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -160,6 +161,18 @@ def test_service_distributed_epoch_delivers_each_sample_once(ids_dataset, servic
         assert sorted(ids) == list(range(N))
         assert len(sizes) == len(source) == math.ceil(N / 7)
         assert sizes[:-1] == [7] * (len(sizes) - 1)
+
+
+def test_set_epoch_on_the_service_says_it_has_no_effect(ids_dataset, service_cluster, caplog):
+    """README: on the tf.data service the workers draw each iterator's order."""
+    source = TFRecordSequenceSource(
+        ids_dataset, batch_size=7, seed=2, service=service_cluster.target
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_tfr"):
+        source.set_epoch(3, step=2)
+    assert "set_epoch(3, step=2) has no effect with `service=`" in caplog.text
+    ids, sizes = _ids(source)  # still a whole epoch, from its first batch
+    assert sorted(ids) == list(range(N)) and len(sizes) == len(source)
 
 
 def test_service_parallel_epochs_sends_one_epoch_per_worker(ids_dataset, service_cluster):
