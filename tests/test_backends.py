@@ -202,3 +202,78 @@ def test_gpu_fit_harness_reads_as_the_source_does_and_runs_without_tensorflow(tm
         assert "error" not in r, r["error"]
         assert r["examples"] == 1000 and r["seconds"] > 0, r
     assert {got[("fit", p)]["keras_backend"] for p in ("numpy", "keras-tfr")} == {"jax"}
+
+
+TUNER_SCRIPT = textwrap.dedent(
+    """
+    import json, math, sys
+    import keras, keras_tuner
+    from keras_tfr import TFRecordSequenceSource
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    d, out = sys.argv[1], sys.argv[2]
+    keras.utils.set_random_seed(0)
+    split = dict(seed=0, validation_split=0.2)
+    train = TFRecordSequenceSource(d, batch_size=32, subset="training", **split)
+    val = TFRecordSequenceSource(d, batch_size=32, subset="validation", shuffle=False, **split)
+
+    def build(hp):
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(hp.Choice("units", [8, 16]), "relu"),
+                                  keras.layers.Dense(2)])
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    class Steps(keras.callbacks.Callback):
+        runs = []
+        def on_epoch_begin(self, epoch, logs=None):
+            self.runs.append(0)
+        def on_train_batch_end(self, batch, logs=None):
+            self.runs[-1] += 1
+
+    tuner = keras_tuner.RandomSearch(
+        TFRecordHyperModel(build, batch_size=[16, 64]), objective="val_accuracy",
+        max_trials=3, seed=1, directory=out, project_name="p", overwrite=True)
+    tuner.search(train, validation_data=val, epochs=8, callbacks=[Steps()], verbose=0)
+    trials = list(tuner.oracle.trials.values())
+    print(json.dumps({
+        "backend": keras.backend.backend(),
+        "status": [t.status for t in trials],
+        "batch_sizes": [t.hyperparameters.values["batch_size"] for t in trials],
+        "steps": Steps.runs,
+        "best": max(t.score for t in trials),
+        "train_batch_size": train.batch_size,
+    }))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_keras_tuner_searches_a_source_under_jax_and_torch(learnable, backend, tmp_path):
+    """README: a source goes into keras-tuner's `search` under each backend (TensorFlow's
+    is tests/test_tuner.py), with the batch size tuned."""
+    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
+    d, _ = learnable
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", TUNER_SCRIPT, d, str(tmp_path / "tuner")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["backend"] == backend
+    assert res["status"] and set(res["status"]) == {"COMPLETED"}, res
+    assert set(res["batch_sizes"]) <= {16, 64}
+    # Every epoch of every trial took the steps of its own batch size over 800 samples.
+    assert len(res["steps"]) == 8 * len(res["status"])
+    per_trial = [res["steps"][i : i + 8] for i in range(0, len(res["steps"]), 8)]
+    for bs, steps in zip(res["batch_sizes"], per_trial):
+        assert steps == [-(-800 // bs)] * 8, (bs, steps)
+    assert res["best"] > 0.85
+    assert res["train_batch_size"] == 32, "the user's source is untouched"
