@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
+from keras_tfr._crc import crc32c
 from keras_tfr.errors import ManifestError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest
@@ -273,6 +274,85 @@ def test_damaged_lattice_record_is_named_or_skipped(pair):
     rows = {r.tobytes() for r in seen}
     assert not any(d.tobytes() in rows for d in damaged.reshape(len(damaged), -1))
     assert skip.corrupt_records == 1
+
+
+def _rewrite_pad_byte(path, frame, record, m, key, count):
+    """Sets a zero byte of pad entry ``key`` of ``record`` (of ``count`` samples) to 1 and
+    writes a new data CRC, so that the TFRecord frame is sound again; returns the byte's
+    offset in the file and the record's data length."""
+    offsets, headers, length = BlockEncoder(m.features, m.lattice).fixed_layout(count)
+    assert framing.frame_size(length) <= frame
+    field = bytes([len(key)]) + key.encode() + b"\x12"  # the key, then the Feature's tag
+    (where,) = [o + b.index(field) + len(field) for o, b in headers if field in b]
+    data_start = record * frame + framing.HEADER_BYTES
+    with open(path, "r+b") as f:
+        f.seek(data_start)
+        data = bytearray(f.read(length))
+        pad = data.index(0, where)  # the pad's payload: zeros, after its length fields
+        payloads = [(offsets[s.key], s.sample_bytes * count) for s in m.features]
+        assert data[pad] == 0 and not any(o <= pad < o + n for o, n in payloads)
+        data[pad] = 1
+        f.seek(data_start)
+        f.write(data)
+        f.write(framing.masked_bytes(crc32c([bytes(data)])))
+    return data_start + pad, length
+
+
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+@pytest.mark.parametrize("which", ["full", "last"])
+@pytest.mark.parametrize("key", ["__pad__/x", "__pad__/y", "__pad__"])
+def test_a_padding_byte_under_a_valid_crc_is_named_or_skipped(pair, key, which, access):
+    """Both readers check every non-payload byte of a record, the lattice's padding
+    included (README.md), not only the frame's CRC: in a full record and in the data
+    set's short last record (which block mode reads through `parse_example`)."""
+    lat, _, x, _ = pair
+    m = Manifest.load(lat)
+    assert m.lattice is not None
+    spr = m.samples_per_record
+    frame = framing.frame_size(m.record_bytes)
+    if which == "full":
+        shard, record, count = m.shards[1], 2, spr
+        first = m.shards[0].samples + 2 * spr
+    else:
+        shard = m.shards[-1]
+        record = shard.records - 1
+        first = (m.total_records - 1) * spr
+        count = m.total_samples - first
+        assert 0 < count < spr, "the fixture's last record is short"
+    path = m.shard_path(shard)
+    with open(path, "rb") as f:
+        before = f.read()
+    at, length = _rewrite_pad_byte(path, frame, record, m, key, count)
+    with open(path, "rb") as f:
+        after = f.read()
+    assert len(after) == len(before)
+    changed = np.flatnonzero(np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8))
+    crc_at = record * frame + framing.HEADER_BYTES + length
+    assert changed[0] == at and set(changed[1:]) <= set(range(crc_at, crc_at + 4))
+    # The frame is sound: TensorFlow's reader checks every CRC and reads every record,
+    # and the data set's own keys parse as before.
+    records = list(tf.data.TFRecordDataset(path))
+    assert len(records) == shard.records
+    assert records[record].numpy() == after[record * frame + framing.HEADER_BYTES : crc_at]
+    spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in m.features}
+    parsed = tf.io.parse_single_example(records[record], spec)
+    damaged = x[first : first + count]
+    assert parsed["x"].numpy() == damaged.tobytes()
+
+    src = TFRecordSequenceSource(lat, batch_size=64, shuffle=True, seed=1, access=access)
+    with pytest.raises(CorruptRecordError, match="does not have the layout") as e:
+        _batches(src)
+    assert e.value.file == path and e.value.offset == record * frame
+    skip = TFRecordSequenceSource(
+        lat, batch_size=64, shuffle=True, seed=1, on_corrupt="skip", access=access
+    )
+    got = _batches(skip)
+    assert len(got) == len(skip)
+    if access == "samples":  # the damaged record's places are filled with other samples
+        assert sum(len(g[0]) for g in got) == len(x)
+    assert skip.corrupt_records == 1
+    seen = {r.tobytes() for r in np.concatenate([g[0] for g in got]).reshape(-1, 144)}
+    assert not any(d.tobytes() in seen for d in damaged.reshape(len(damaged), -1))
 
 
 def test_lattice_reader_copies_no_data_set_into_memory(tmp_path, run_script):

@@ -357,6 +357,87 @@ def test_keras_fit_in_raise_mode_stops_with_the_file_name(dataset):
         model.fit(src, epochs=1, verbose=0)
 
 
+# What each reader says of a record that fails its CRC check (docs/reliability.md).
+_CRC_PROBLEM = {
+    "samples": "the record failed its TFRecord CRC check",
+    "blocks": "the record failed its TFRecord CRC check, or the file is truncated or unreadable",
+}
+
+
+def _model():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+_CALLS = {
+    "iterate": _drain,
+    "fit": lambda src: _model().fit(src, epochs=1, verbose=0),
+    "evaluate": lambda src: _model().evaluate(src, verbose=0),
+    "predict": lambda src: _model().predict(src, verbose=0),
+}
+
+
+def _assert_own_message(error, message):
+    """keras-tfr's text alone: none of TensorFlow's wrapping (brackets, node, op names)."""
+    assert isinstance(error, CorruptRecordError)
+    assert error.message == str(error) == message
+    assert message.endswith("run `keras-tfr verify` on the data set"), message
+    for tf_text in ("]", "[[", "{{node", "Op:", "assertion failed", "\n"):
+        assert tf_text not in message, (tf_text, message)
+
+
+@pytest.mark.parametrize("call", sorted(_CALLS))
+def test_corrupt_record_error_from_fit_evaluate_predict_and_iteration(dataset, reader, call):
+    """The one type to catch around each entry point, in both access modes (README.md),
+    with the damaged shard in `e.file` and keras-tfr's message exactly."""
+    d, _, _, m = dataset
+    path = os.path.join(d, m.shards[2].file)
+    record = 5
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False)
+    access = "blocks" if reader == "graph" else "samples"
+    assert src.access == access
+    _flip(path, record * _frame(m) + 30)
+    with pytest.raises(CorruptRecordError) as e:
+        _CALLS[call](src)
+    assert e.value.file == path
+    assert e.value.offset == record * _frame(m)
+    if call == "iterate":  # TensorFlow's error is kept (Keras' traceback filter drops it)
+        assert isinstance(e.value.__cause__, tf.errors.OpError)
+    _assert_own_message(
+        e.value,
+        f"keras-tfr: corrupt record in {path} at byte offset {record * _frame(m)} (record "
+        f"{record} of {RECORDS_PER_SHARD}): {_CRC_PROBLEM[access]}; run `keras-tfr verify` "
+        "on the data set",
+    )
+
+
+@pytest.mark.parametrize("reader", ["graph"], indirect=True)  # GZIP: block mode only
+@pytest.mark.parametrize("call", ["iterate", "fit"])
+def test_corrupt_gzip_shard_message_is_keras_tfr_text_alone(tmp_path, reader, call):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((N, 6)).astype(np.float32)
+    d = str(tmp_path / "gz")
+    m = ArraysToRecords.from_arrays(
+        x, np.arange(N), d, samples_per_record=SPR, min_shards=4, compression="GZIP", verbose=0
+    )
+    path = os.path.join(d, m.shards[2].file)
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False)
+    assert src.access == "blocks"
+    _cut(path, os.path.getsize(path) // 2)
+    with pytest.raises(CorruptRecordError) as e:
+        _CALLS[call](src)
+    assert e.value.file == path and e.value.offset is not None
+    index = e.value.offset // _frame(m)  # offsets count bytes of the uncompressed stream
+    assert e.value.offset == index * _frame(m) and 0 < index < RECORDS_PER_SHARD
+    _assert_own_message(
+        e.value,
+        f"keras-tfr: corrupt record in {path} at byte offset {e.value.offset} (record {index} "
+        f"of {RECORDS_PER_SHARD}): {_CRC_PROBLEM['blocks']}; run `keras-tfr verify` on the "
+        "data set",
+    )
+
+
 # ------------------------------------------------------------------ verify
 
 

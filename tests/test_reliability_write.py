@@ -93,28 +93,70 @@ def test_lengths_that_differ_are_refused_before_writing(tmp_path, kwargs, names)
     assert not os.path.exists(d), "validated before the directory was touched"
 
 
+def _objects(*items):
+    """A 1-D object array holding ``items`` as they are (NumPy would stack equal arrays)."""
+    out = np.empty(len(items), dtype=object)
+    for i, item in enumerate(items):
+        out[i] = item
+    return out
+
+
 @pytest.mark.parametrize(
-    "array, shown",
+    "array, shown, error",
     [
-        (np.zeros((4, 2), np.complex64), "complex64"),
-        (np.zeros((4,), np.complex128), "complex128"),
-        (np.array([{"a": 1}, None, 3, "s"], dtype=object), "object"),
-        (np.zeros((4,), "datetime64[s]"), "datetime64"),
-        (np.zeros((4,), "timedelta64[s]"), "timedelta64"),
+        (np.zeros((4, 2), np.complex64), "complex64", TypeError),
+        (np.zeros((4,), np.complex128), "complex128", TypeError),
+        (np.array([{"a": 1}, None, 3, "s"], dtype=object), "object", TypeError),
+        (np.array([1, 2, 3, 4], dtype=object), "object", TypeError),
+        (_objects("a", "b", "c", "d"), "str", TypeError),
+        (np.zeros((4,), "datetime64[s]"), "datetime64", TypeError),
+        (np.zeros((4,), "timedelta64[s]"), "timedelta64", TypeError),
+        (np.array(["a", "b", "c", "d"]), "<U1", TypeError),
+        (np.array([b"a", b"b", b"c", b"d"]), "S1", TypeError),
+        (np.zeros((4,), "V4"), "V4", TypeError),
+        (np.zeros((4,), [("a", "f4")]), "('a', '<f4')", TypeError),
+        # Ragged samples (an object array of arrays) of an unsupported dtype.
+        (_objects(*[np.zeros(2, np.complex64)] * 4), "complex64", TypeError),
+        # Ragged samples of supported dtypes that differ between samples: a mismatch
+        # between samples, not an unsupported dtype.
+        (
+            _objects(
+                np.zeros(2, np.float32), np.zeros(3, np.int64), *[np.zeros(1, np.float32)] * 2
+            ),
+            "int64",
+            ValueError,
+        ),
     ],
 )
 @pytest.mark.parametrize("role", ["x", "y", "sample_weight"])
-def test_unsupported_dtypes_are_refused_naming_the_argument(tmp_path, array, shown, role):
+def test_unsupported_dtypes_are_refused_naming_the_argument(tmp_path, array, shown, error, role):
+    """docs/reliability.md: object, string, complex, datetime dtypes raise `TypeError`."""
     d = str(tmp_path / "ds")
     args = {"x": np.zeros((4, 2), np.float32), "y": np.zeros(4), "sample_weight": np.ones(4)}
     args[role] = array
-    with pytest.raises((TypeError, ValueError)) as e:
+    with pytest.raises(error) as e:
         ArraysToRecords.from_arrays(
             args["x"], args["y"], d, sample_weight=args["sample_weight"], verbose=0
         )
+    other = ValueError if error is TypeError else TypeError
+    assert not isinstance(e.value, other), f"{type(e.value).__name__}: {e.value}"
     msg = str(e.value)
     assert f"`{role}`" in msg and shown in msg and "Expected" in msg, msg
     assert not os.path.exists(d)
+
+
+@pytest.mark.parametrize("write", ["from_arrays", "writer.write"])
+def test_unsupported_dtype_in_a_dict_names_its_key(tmp_path, write):
+    d = str(tmp_path / "ds")
+    x = {"image": np.zeros((4, 2), np.float32), "text": np.array(["a", "b", "c", "d"])}
+    with pytest.raises(TypeError, match=r"`x\['text'\]`.*dtype=<U1") as e:
+        if write == "from_arrays":
+            ArraysToRecords.from_arrays(x, np.zeros(4), d, verbose=0)
+        else:
+            with ArraysToRecords(d, verbose=0) as w:
+                w.write(x, np.zeros(4))
+    assert not isinstance(e.value, ValueError)
+    assert not os.path.exists(d) or not os.listdir(d), "nothing of the batch was written"
 
 
 def test_changing_shape_dtype_or_structure_between_writes_is_refused(tmp_path):

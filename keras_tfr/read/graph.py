@@ -66,7 +66,7 @@ class GraphReader:
         drop_remainder: bool,
         num_parallel_reads: int | None,
         on_corrupt: str,
-        report_skip: Callable[[str, int, int, int], bool],
+        report_skip: Callable[..., bool],
         service: tuple[str, str, str | None] | None,
         fill_steps: int | None = None,
     ):
@@ -147,6 +147,7 @@ class GraphReader:
         # four functions) checks the shard's end and the split. Yields (index, record).
         frame = framing.frame_size(m.record_bytes)
         fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
+        layout_ok = self._layout_check(frame) if fixed_layout else None
 
         def read_fixed_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             records = _records_or_empty(path, compression)
@@ -158,10 +159,17 @@ class GraphReader:
                     ok = self._check_shard_end(path, i, i * frame, n_records, tf.constant(True))
                     return tf.logical_and(ok, tf.equal(tf.strings.length(record), -1))
 
+                def sound() -> Any:  # every non-payload byte as the manifest describes
+                    if layout_ok is None:
+                        return tf.constant(True)
+                    return layout_ok(path, i, first_record + i, n_records, record)
+
                 if keep is None:
-                    keep_it = lambda: tf.constant(True)  # noqa: E731
+                    keep_it = sound
                 else:
-                    keep_it = lambda: tf.gather(keep, first_record + i)  # noqa: E731
+                    keep_it = lambda: tf.cond(  # noqa: E731
+                        tf.gather(keep, first_record + i), sound, lambda: tf.constant(False)
+                    )
                 return tf.cond(tf.strings.length(record) > 0, keep_it, at_end)
 
             return indexed.filter(keep_record)
@@ -293,6 +301,86 @@ class GraphReader:
         batches = pools.rebatch(self.batch_size, drop_remainder=self.drop_remainder)
         return batches
 
+    def _layout_check(self, frame: int) -> Callable[[Any, Any, Any, Any, Any], Any] | None:
+        """``check(path, index, record_number, n_records, record)``: True when every
+        non-payload byte of a record of a fixed-layout data set (keys, lengths, the sample
+        count, the lattice's padding) is what the manifest describes, for a full record
+        and for the data set's short last record alike; else raises naming the file and
+        offset, or (``on_corrupt="skip"``) reports the record and returns False. A record
+        rewritten with a valid CRC but another layout goes no further. None where the
+        manifest's record size is not that of this layout."""
+        from keras_tfr.schema import BlockEncoder
+
+        m = self.manifest
+        encoder = BlockEncoder(self.specs, m.lattice)
+        last = m.total_records - 1
+        last_count = m.total_samples - last * m.samples_per_record
+
+        def expected(count: int) -> tuple[Any, Any, Any, int]:
+            _, headers, length = encoder.fixed_layout(count)
+            pos = tf.constant([o for o, _ in headers], tf.int64)
+            lens = tf.constant([len(b) for _, b in headers], tf.int64)
+            return pos, lens, tf.constant([b for _, b in headers]), length
+
+        full = expected(m.samples_per_record)
+        if full[3] != m.record_bytes:  # not this writer's layout: parse_example checks it
+            return None
+        short = expected(last_count) if last_count != m.samples_per_record else full
+
+        def matches(record: Any, layout: tuple[Any, Any, Any, int]) -> Any:
+            pos, lens, want, length = layout
+            same_length = tf.equal(tf.strings.length(record), length)
+            return tf.logical_and(
+                same_length,
+                tf.reduce_all(tf.equal(tf.strings.substr(record, pos, lens), want)),
+            )
+
+        problem = (
+            "a record passed its CRC check but does not have the layout its manifest "
+            "describes; the data set was modified after it was written"
+        )
+
+        def check(path: Any, index: Any, number: Any, n_records: Any, record: Any) -> Any:
+            if short is full:
+                ok = matches(record, full)
+            else:
+                ok = tf.cond(
+                    tf.equal(number, last),
+                    lambda: matches(record, short),
+                    lambda: matches(record, full),
+                )
+            offset = index * frame
+            if self.on_corrupt == "raise":
+                message = tf.strings.join(
+                    [
+                        "keras-tfr: corrupt record in ",
+                        path,
+                        " at byte offset ",
+                        tf.strings.as_string(offset),
+                        " (record ",
+                        tf.strings.as_string(index),
+                        " of ",
+                        tf.strings.as_string(n_records),
+                        "): " + problem,
+                    ]
+                )
+                with tf.control_dependencies([tf.debugging.Assert(ok, [message], summarize=1)]):
+                    return tf.identity(ok)
+
+            def report(p: Any, off: Any, idx: Any, n: Any) -> np.bool_:
+                self.report_skip(
+                    p.numpy().decode(), int(off), int(idx), int(n), lost=1, problem=problem
+                )
+                return np.bool_(False)
+
+            return tf.cond(
+                ok,
+                lambda: tf.constant(True),
+                lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
+            )
+
+        return check
+
     def _check_shard_end(
         self, path: Any, index: Any, offset: Any, n_records: Any, is_end: Any
     ) -> Any:
@@ -333,36 +421,24 @@ def _fixed_layout_decoder(
     then per feature a slice and a zero-copy bitcast, instead of `parse_example` (which
     copies every payload out) followed by a `decode_raw` per feature.
 
-    All full records of a data set share one layout (`BlockEncoder.fixed_layout`); every
-    non-payload byte is checked against it, so a record that is not what the manifest
-    says fails loudly. A pool holding the short last record takes the `parse_example` path.
-    Returns None when the manifest's record size does not match the layout.
+    All full records of a data set share one layout (`BlockEncoder.fixed_layout`); each
+    record was checked against it as it was read (`GraphReader._layout_check`), so the
+    pool is cut by offset. A pool holding the short last record takes the
+    `parse_example` path. Returns None when the manifest's record size does not match
+    the layout.
     """
     from keras_tfr.schema import BlockEncoder
 
     offsets, headers, length = BlockEncoder(specs, m.lattice).fixed_layout(spr)
     if length != m.record_bytes:
         return None
-    header_positions = np.concatenate([np.arange(o, o + len(b)) for o, b in headers])
-    header_bytes = np.frombuffer(b"".join(b for _, b in headers), dtype=np.uint8)
 
     def fast(serialized: Any) -> Any:
         u8 = tf.io.decode_raw(serialized, tf.uint8)  # [k, record_bytes]
-        got = tf.gather(u8, header_positions, axis=1)
-        ok = tf.reduce_all(tf.equal(got, header_bytes[None, :]))
-        check = tf.debugging.Assert(
-            ok,
-            [
-                "keras-tfr: corrupt record: a record passed its CRC check but does not have "
-                "the layout its manifest describes; the data set was modified after it was "
-                "written"
-            ],
-        )
-        with tf.control_dependencies([check]):
-            decoded = {}
-            for s in specs:
-                seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
-                decoded[s.key] = tf_bytes_to_feature(seg, s)
+        decoded = {}
+        for s in specs:
+            seg = u8[:, offsets[s.key] : offsets[s.key] + spr * s.sample_bytes]
+            decoded[s.key] = tf_bytes_to_feature(seg, s)
         k = tf.shape(serialized, out_type=tf.int64)[0]
         return decoded, tf.fill([k], tf.constant(spr, tf.int64))
 
