@@ -236,6 +236,31 @@ def test_deleted_shard_after_opening_is_named_not_a_hang(dataset):
             assert src.corrupt_records == RECORDS_PER_SHARD
 
 
+@pytest.mark.parametrize("what", ["deleted", "a directory"])
+def test_shard_that_cannot_be_opened_or_mapped_is_named_with_the_reason(dataset, reader, what):
+    """A shard gone, or replaced by something that opens but cannot be read as a file,
+    after the source was built: raise mode names the file and (sample mode) why; skip mode
+    drops its records and keeps the step count."""
+    d, _, _, m = dataset
+    path = os.path.join(d, m.shards[1].file)
+    sources = {
+        mode: TFRecordSequenceSource(d, batch_size=8, seed=0, on_corrupt=mode)
+        for mode in ("raise", "skip")
+    }
+    os.remove(path)
+    if what == "a directory":
+        os.mkdir(path)
+    with pytest.raises(CorruptRecordError) as e:
+        _drain(sources["raise"])
+    assert e.value.file == path and e.value.offset == 0
+    if reader != "graph":
+        why = "cannot be opened (No such file" if what == "deleted" else "cannot be memory-mapped"
+        assert f"the file {why}" in e.value.message
+    batches = _drain(sources["skip"])
+    assert len(batches) == len(sources["skip"])
+    assert sources["skip"].corrupt_records == RECORDS_PER_SHARD
+
+
 # ------------------------------------------------------------------ corruption, skip mode
 
 
@@ -314,6 +339,37 @@ def test_skip_with_shuffle_and_validation_split(dataset, reader):
         seen[subset] = ids
     assert not seen["training"] & seen["validation"]
     assert seen["training"] | seen["validation"] == set(range(N)) - lost
+
+
+@pytest.mark.parametrize("reader", ["mapped", "mapped-tf.data"], indirect=True)  # samples
+@pytest.mark.parametrize("split", [None, "training"])
+def test_skip_fills_come_from_the_same_worker_share(dataset, reader, split):
+    """docs/reliability.md: sample mode fills a dropped record's places with other samples
+    of the same subset and worker share, so each worker keeps its step count and never
+    reads another worker's samples."""
+    d, x, _, m = dataset
+    _flip(os.path.join(d, m.shards[1].file), 4 * _frame(m) + 20)
+    record = RECORDS_PER_SHARD + 4
+    damaged = set(range(record * SPR, (record + 1) * SPR))
+    kw = dict(batch_size=8, shuffle=True, seed=6, num_workers=3, on_corrupt="skip")
+    if split:
+        kw.update(validation_split=0.25, subset=split)
+    shares = []
+    for w in range(3):
+        src = TFRecordSequenceSource(d, worker_index=w, **kw)
+        assert src.access == "samples"
+        share = set(src.sample_order(0).tolist())
+        batches = _drain(src)
+        assert len(batches) == len(src)
+        assert _check_samples(batches, x) == src.num_samples  # holes filled one for one
+        ids = np.concatenate([b[1] for b in batches]).tolist()
+        assert set(ids) <= share - damaged, f"worker {w} read outside its share"
+        if share & damaged:
+            assert src.corrupt_records == 1
+            assert len(ids) > len(set(ids)), "the holes were filled with repeats"
+        shares.append(share)
+    assert any(share & damaged for share in shares), "the damage hit some worker's share"
+    assert not (shares[0] & shares[1] or shares[0] & shares[2] or shares[1] & shares[2])
 
 
 class _CountBatches(keras.callbacks.Callback):

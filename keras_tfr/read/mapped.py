@@ -202,6 +202,9 @@ class _Region:
         self._closer.atexit = False
         self.sizes = np.zeros(len(files), dtype=np.int64)  # bytes mapped of each file
         self.signatures: list[tuple[int, int, int] | None] = [None] * len(files)
+        # Why a file could not be mapped (None: mapped, or an empty slot to be named by
+        # the checks as missing or unreadable).
+        self.problems: list[str | None] = [None] * len(files)
         for k in range(len(files)):
             self.map(k)
         # Writable only as far as NumPy knows (the pages are mapped read-only): what
@@ -211,13 +214,16 @@ class _Region:
         self.array.flags.writeable = False
 
     def map(self, k: int) -> None:
-        """Maps shard ``k`` (again) over its slot; a missing file leaves the slot empty."""
+        """Maps shard ``k`` (again) over its slot; a file that cannot be opened or mapped
+        leaves the slot empty, and its records are named by the checks."""
         path = self.files[k]
+        self.sizes[k] = 0
+        self.signatures[k] = None
+        self.problems[k] = None
         try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            self.sizes[k] = 0
-            self.signatures[k] = None
+        except OSError as e:
+            self.problems[k] = f"the file cannot be opened ({e.strerror or e})"
             return
         try:
             st = os.fstat(fd)
@@ -240,7 +246,8 @@ class _Region:
                 )
                 if got != self.base + int(self.starts[k]):
                     err = ctypes.get_errno()
-                    raise OSError(err, f"keras-tfr: cannot map {path}: {os.strerror(err)}")
+                    self.problems[k] = f"the file cannot be memory-mapped ({os.strerror(err)})"
+                    return
             self.sizes[k] = size
             self.signatures[k] = _signature(st)
         finally:
@@ -417,7 +424,7 @@ class MappedPlan:
         k = int(self.shard_of[record])
         start = int(self.index_in_shard[record]) * self.full.frame
         if region.signatures[k] is None:
-            return "the file cannot be opened (missing or unreadable)"
+            return region.problems[k] or "the file cannot be opened (missing or unreadable)"
         if start + layout.frame > int(region.sizes[k]):
             return _TRUNCATED
         at = int(region.starts[k]) + start
