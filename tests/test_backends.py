@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +278,71 @@ def test_keras_tuner_searches_a_source_under_jax_and_torch(learnable, backend, t
         assert steps == [-(-800 // bs)] * 8, (bs, steps)
     assert res["best"] > 0.85
     assert res["train_batch_size"] == 32, "the user's source is untouched"
+
+
+KERAS_JAX_ERROR_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import keras
+    from keras_tfr import CorruptRecordError, TFRecordSequenceSource
+
+    d, call, on_corrupt = sys.argv[1], sys.argv[2], sys.argv[3]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(np.ones((64, 8), np.float32), np.zeros(64, np.int64), verbose=0)  # trained
+    weights = [w.copy() for w in model.get_weights()]
+    src = TFRecordSequenceSource(d, batch_size=32, shuffle=False, on_corrupt=on_corrupt)
+    raised = None
+    try:
+        getattr(model, call)(src, verbose=0)
+    except CorruptRecordError as e:
+        raised = type(e).__name__
+    try:
+        kept = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights))
+        after = "weights kept" if kept else "weights changed"
+    except TypeError as e:
+        after = f"TypeError: {e}"
+    print(json.dumps({"raised": raised, "after": after}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(tmp_path, call):
+    """docs/reliability.md, known limits: under JAX, Keras (checked on 3.15) leaves a
+    trained model without its weights when `evaluate` or `predict` raise (it restores them only in
+    `fit`); `on_corrupt="skip"` keeps both working. When this test fails, Keras has fixed
+    it: update the docs."""
+    pytest.importorskip("jax", reason="the jax backend is not installed")
+    rng = np.random.default_rng(0)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(
+        rng.standard_normal((400, 8)).astype(np.float32),
+        np.arange(400) % 2,
+        d,
+        samples_per_record=20,
+        min_shards=2,
+        verbose=0,
+    )
+    path = m.shard_path(m.shards[1])
+    raw = bytearray(Path(path).read_bytes())
+    raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
+    Path(path).write_bytes(raw)
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    results = {}
+    for on_corrupt in ("raise", "skip"):
+        out = subprocess.run(
+            [sys.executable, "-c", KERAS_JAX_ERROR_SCRIPT, d, call, on_corrupt],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[on_corrupt] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["raise"]["raised"] == "CorruptRecordError"
+    assert results["raise"]["after"].startswith("TypeError"), results
+    assert results["skip"] == {"raised": None, "after": "weights kept"}, results
