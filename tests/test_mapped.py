@@ -620,3 +620,42 @@ def test_shard_truncated_in_place_mid_epoch_ends_the_process_as_for_np_memmap(tm
     name = os.path.basename(shard)
     with pytest.raises(ShardError, match=f"{name}: {cut} bytes, the manifest records"):
         TFRecordSequenceSource(where, batch_size=64, seed=0)
+
+
+def test_units_and_prefetch_are_as_the_readme_says(tmp_path, monkeypatch):
+    """README, sample mode: on a lattice Python works out units of 8,192 samples or more
+    (one call each), batches under 4 MB are gathered several at a time, and 2 MB of
+    batches (2 to 32) are prefetched."""
+    from keras_tfr import source as source_module
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = " ".join(readme.split())
+    assert "each unit of 8,192 samples or more" in text and mapped._LATTICE_UNIT_ROWS == 8192
+    assert "Batches under 4 MB are gathered several at a time" in text
+    assert mapped._SEQUENTIAL_GATHER_BYTES == 4 << 20
+    assert "2 MB of batches (2 to 32 batches) are prefetched" in text
+    assert source_module._PREFETCH_BYTES == 2 << 20
+    assert source_module._PREFETCH_BATCHES == (2, 32)
+
+    n = 20_000
+    x = np.random.default_rng(1).standard_normal((n, 64)).astype(np.float32)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(x, None, d, min_shards=2, verbose=0)
+    assert m.lattice is not None
+    calls = []
+    original = mapped.Epoch.row_block
+    monkeypatch.setattr(
+        mapped.Epoch, "row_block", lambda self, i: calls.append(i) or original(self, i)
+    )
+    for batch_size in (8, 64, 4096):
+        src = TFRecordSequenceSource(d, batch_size=batch_size, seed=0)
+        calls.clear()
+        assert sum(len(b) for b in src) == n
+        rows = src._mapped_plan.lattice_unit_rows
+        assert rows >= 8192 or rows >= n
+        # Units of `rows`; the rest is cut in two: its whole batches, then the partial one.
+        whole, rest = divmod(n, rows)
+        units = whole + int(rest >= batch_size) + int(rest % batch_size > 0)
+        assert len(calls) == units and units <= -(-n // 8192) + 1, "one Python call per unit"
+        batch_bytes = batch_size * 64 * 4
+        assert src._prefetch_batches() == max(2, min(32, (2 << 20) // batch_bytes))
