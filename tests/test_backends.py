@@ -51,6 +51,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _run_json(script, backend, *args):
+    """Runs ``script`` under Keras backend ``backend`` in a new process; returns the JSON
+    object its last line prints (the test fails with the child's stderr if it fails)."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def learnable(tmp_path_factory):
     base = tmp_path_factory.mktemp("backends")
@@ -68,13 +79,7 @@ def learnable(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_fit_evaluate_predict_under_each_backend(learnable, backend):
     pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    d, xs = learnable
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, d, xs], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = _run_json(SCRIPT, backend, *learnable)
     assert res["backend"] == backend
     assert res["steps"] == [25, 7]  # 800 and 200 samples by 32
     assert res["loss"] < 0.6 * res["loss0"]
@@ -137,17 +142,7 @@ def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, back
     under JAX, each batch aligned so that `jax.device_put` does not copy it); a
     block-mode source still goes through Keras' own tf.data iteration."""
     pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    d, xs = learnable
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", ADAPTER_SCRIPT, d, xs],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = _run_json(ADAPTER_SCRIPT, backend, *learnable)
     assert res["same"] == [True, True]
     assert res["pulled"] >= 2 * 32  # 32 batches of 32 per epoch, through NumpyBatches
     assert res["block_pulled"] == 0 and res["n_block"] == 1000
@@ -257,17 +252,7 @@ def test_keras_tuner_searches_a_source_under_jax_and_torch(learnable, backend, t
     """README: a source goes into keras-tuner's `search` under each backend (TensorFlow's
     is tests/test_tuner.py), with the batch size tuned."""
     pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    d, _ = learnable
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", TUNER_SCRIPT, d, str(tmp_path / "tuner")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = _run_json(TUNER_SCRIPT, backend, learnable[0], str(tmp_path / "tuner"))
     assert res["backend"] == backend
     assert res["status"] and set(res["status"]) == {"COMPLETED"}, res
     assert set(res["batch_sizes"]) <= {16, 64}
@@ -331,18 +316,10 @@ def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(tmp_path, ca
     raw = bytearray(Path(path).read_bytes())
     raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
     Path(path).write_bytes(raw)
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    results = {}
-    for on_corrupt in ("raise", "skip"):
-        out = subprocess.run(
-            [sys.executable, "-c", KERAS_JAX_ERROR_SCRIPT, d, call, on_corrupt],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        results[on_corrupt] = json.loads(out.stdout.strip().splitlines()[-1])
+    results = {
+        on_corrupt: _run_json(KERAS_JAX_ERROR_SCRIPT, "jax", d, call, on_corrupt)
+        for on_corrupt in ("raise", "skip")
+    }
     assert results["raise"]["raised"] == "CorruptRecordError"
     assert results["raise"]["after"].startswith("TypeError"), results
     assert results["skip"] == {"raised": None, "after": "weights kept"}, results

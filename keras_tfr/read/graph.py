@@ -349,34 +349,8 @@ class GraphReader:
                     lambda: matches(record, short),
                     lambda: matches(record, full),
                 )
-            offset = index * frame
-            if self.on_corrupt == "raise":
-                message = tf.strings.join(
-                    [
-                        "keras-tfr: corrupt record in ",
-                        path,
-                        " at byte offset ",
-                        tf.strings.as_string(offset),
-                        " (record ",
-                        tf.strings.as_string(index),
-                        " of ",
-                        tf.strings.as_string(n_records),
-                        "): " + problem,
-                    ]
-                )
-                with tf.control_dependencies([tf.debugging.Assert(ok, [message], summarize=1)]):
-                    return tf.identity(ok)
-
-            def report(p: Any, off: Any, idx: Any, n: Any) -> np.bool_:
-                self.report_skip(
-                    p.numpy().decode(), int(off), int(idx), int(n), lost=1, problem=problem
-                )
-                return np.bool_(False)
-
-            return tf.cond(
-                ok,
-                lambda: tf.constant(True),
-                lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
+            return self._sound_or_reported(
+                ok, path, index, index * frame, n_records, problem, lost=1
             )
 
         return check
@@ -386,6 +360,22 @@ class GraphReader:
     ) -> Any:
         """At a shard's end marker: True if all records were read, else raise or skip."""
         complete = tf.logical_or(tf.logical_not(is_end), tf.equal(index, n_records))
+        return self._sound_or_reported(complete, path, index, offset, n_records, _CORRUPT_HINT)
+
+    def _sound_or_reported(
+        self,
+        ok: Any,
+        path: Any,
+        index: Any,
+        offset: Any,
+        n_records: Any,
+        problem: str,
+        lost: int | None = None,
+    ) -> Any:
+        """``ok`` where a record (or a shard's end) is sound. Where it is not: raises an
+        error naming the file, the offset and ``problem`` (``on_corrupt="raise"``), or
+        reports the skip (``lost`` records: the rest of the shard by default) and returns
+        False."""
         if self.on_corrupt == "raise":
             message = tf.strings.join(
                 [
@@ -397,18 +387,21 @@ class GraphReader:
                     tf.strings.as_string(index),
                     " of ",
                     tf.strings.as_string(n_records),
-                    "): " + _CORRUPT_HINT,
+                    "): " + problem,
                 ]
             )
-            assert_op = tf.debugging.Assert(complete, [message], summarize=1)
-            with tf.control_dependencies([assert_op]):
-                return tf.identity(tf.constant(True))
+            with tf.control_dependencies([tf.debugging.Assert(ok, [message], summarize=1)]):
+                return tf.identity(ok)
+        what = None if lost is None else problem
 
         def report(p: Any, off: Any, idx: Any, n: Any) -> np.bool_:
-            return np.bool_(self.report_skip(p.numpy().decode(), int(off), int(idx), int(n)))
+            self.report_skip(
+                p.numpy().decode(), int(off), int(idx), int(n), lost=lost, problem=what
+            )
+            return np.bool_(False)
 
         return tf.cond(
-            complete,
+            ok,
             lambda: tf.constant(True),
             lambda: tf.py_function(report, [path, offset, index, n_records], tf.bool),
         )
