@@ -153,6 +153,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         resumable = context is not None and _is_resumable(context.x)
         if context is not None and resumable and problem is None:
             problem = context.iterates_source_directly()
+            if problem is None and getattr(getattr(context.x, "config", None), "service", None):
+                problem = (
+                    "its source reads from the tf.data service, whose workers choose each "
+                    "epoch's order, so an epoch cannot start at a given step"
+                )
             if problem is None and context.steps_per_epoch != len(context.x):
                 problem = (
                     f"Keras counts {context.steps_per_epoch} steps per epoch but the source "

@@ -232,6 +232,14 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return self._impl.element_spec
 
     def __len__(self) -> int:
+        cfg = self._cfg
+        if cfg.service is not None and cfg.service_mode == "parallel_epochs":
+            # As tf.data's own `len()` for a data set of unknown length.
+            raise TypeError(
+                "The length of a source with service_mode='parallel_epochs' is unknown: "
+                "each of the tf.data service's workers sends a whole epoch of its own. "
+                "Use service_mode='distributed_epoch' for a known step count."
+            )
         return self._steps
 
     def __iter__(self) -> OwnedIterator:

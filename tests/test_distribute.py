@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_tfr import TFRecordSequenceSource
 from keras_tfr.distribute import start_service
@@ -185,6 +186,30 @@ def test_service_parallel_epochs_sends_one_epoch_per_worker(ids_dataset, service
     )
     ids, _ = _ids(source)
     assert sorted(ids) == sorted(list(range(N)) * 2)
+    # Each worker sends its own epoch: the step count is unknown, to Keras and to len().
+    assert int(source.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    with pytest.raises(TypeError, match="service_mode='parallel_epochs' is unknown"):
+        len(source)
+
+
+def test_backup_and_restore_on_the_service_falls_back_to_whole_epochs(
+    ids_dataset, service_cluster, tmp_path
+):
+    """The service's workers choose each epoch's order, so `BackupAndRestore` cannot
+    resume mid-epoch there: it says so and does what Keras' own callback does."""
+    import keras
+
+    from keras_tfr import BackupAndRestore
+
+    source = TFRecordSequenceSource(
+        ids_dataset, batch_size=10, seed=0, service=service_cluster.target
+    )
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    backup = BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.warns(UserWarning, match="tf.data service, whose workers choose"):
+        history = model.fit(source, epochs=2, callbacks=[backup], verbose=0)
+    assert len(history.history["loss"]) == 2
 
 
 def test_service_values_are_bit_exact(make_dataset, service_cluster):
