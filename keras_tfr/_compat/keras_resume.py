@@ -31,7 +31,7 @@ What keras-tfr uses instead (each entry of `PRIVATE_APIS`):
 
 The verified Keras range is `VERIFIED_RANGE`. Outside it `fit_context` says why, and
 the callback behaves exactly like Keras' own (with a warning);
-`check_private_api` lists what moved, and ``tests/test_backup.py`` fails loudly on it.
+`check_private_api` lists what moved, and ``tests/test_compat.py`` fails loudly on it.
 """
 
 from __future__ import annotations

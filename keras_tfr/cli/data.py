@@ -208,9 +208,11 @@ def run_info(args: argparse.Namespace) -> int:
     from keras_tfr.manifest import Manifest
 
     m = Manifest.load(args.directory, check_files=False)
+    states = [_shard_state(m, shard) for shard in m.shards]
+    problems = sum(state != "ok" for state in states)
     if args.json:
         print(json.dumps(m.to_json(), indent=2))
-        return 0
+        return _shard_problems(problems)
     out = [
         f"data set    {args.directory}",
         f"format      keras-tfr v{m.to_json()['format_version']}, written by keras-tfr "
@@ -236,18 +238,7 @@ def run_info(args: argparse.Namespace) -> int:
     out.append("shards:")
     out.append(f"  {'file':28} {'samples':>10} {'records':>9} {'bytes':>12}  checksum       state")
     limit = args.max_shards if args.max_shards > 0 else len(m.shards)
-    problems = 0
-    for shard in m.shards:
-        try:
-            actual = os.path.getsize(m.shard_path(shard)) if "://" not in m.directory else None
-        except OSError:
-            actual = -1
-        state = (
-            "ok"
-            if actual in (None, shard.bytes)
-            else ("MISSING" if actual == -1 else f"SIZE {actual}")
-        )
-        problems += state not in ("ok",)
+    for shard, state in zip(m.shards, states):
         if limit > 0:
             out.append(
                 f"  {shard.file:28} {shard.samples:>10} {shard.records:>9} {shard.bytes:>12}  "
@@ -257,13 +248,29 @@ def run_info(args: argparse.Namespace) -> int:
     if len(m.shards) > max(args.max_shards, 0) and args.max_shards > 0:
         out.append(f"  ... and {len(m.shards) - args.max_shards} more (--max-shards 0 lists all)")
     print("\n".join(out))
-    if problems:
-        print(
-            f"{problems} shard(s) missing or of the wrong size: run `keras-tfr verify`",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return _shard_problems(problems)
+
+
+def _shard_state(m: Any, shard: Any) -> str:
+    """ "ok", "MISSING" or "SIZE <bytes>" (local shards; a URL's are not looked at)."""
+    if "://" in m.directory:
+        return "ok"
+    try:
+        actual = os.path.getsize(m.shard_path(shard))
+    except OSError:
+        return "MISSING"
+    return "ok" if actual == shard.bytes else f"SIZE {actual}"
+
+
+def _shard_problems(problems: int) -> int:
+    """`info`'s exit code: 1 (and a line on stderr) when shards are missing or resized."""
+    if not problems:
+        return 0
+    print(
+        f"{problems} shard(s) missing or of the wrong size: run `keras-tfr verify`",
+        file=sys.stderr,
+    )
+    return 1
 
 
 # ---------------------------------------------------------------------------- verify
