@@ -123,8 +123,7 @@ def _prepare(
             raise TypeError(f"Expected `gpu_memory_mb` to be an int. Received: {gpu_memory_mb!r}")
         if gpu_memory_mb < 1:
             raise ValueError(f"Expected `gpu_memory_mb` to be >= 1. Received: {gpu_memory_mb}")
-        base[_ENV_MEGABYTES] = str(gpu_memory_mb)
-        base.pop(_ENV_FRACTION, None)
+        _set_gpu_memory_env(base, megabytes=gpu_memory_mb)
     elif gpu_memory_fraction is not None:
         if isinstance(gpu_memory_fraction, bool) or not isinstance(
             gpu_memory_fraction, float | int
@@ -136,8 +135,7 @@ def _prepare(
             raise ValueError(
                 f"Expected `gpu_memory_fraction` to be in (0, 1]. Received: {gpu_memory_fraction}"
             )
-        base[_ENV_FRACTION] = repr(float(gpu_memory_fraction))
-        base.pop(_ENV_MEGABYTES, None)
+        _set_gpu_memory_env(base, fraction=gpu_memory_fraction)
     argv, envs = [], []
     for i in range(n):
         argv.append([a.replace("{i}", str(i)).replace("{n}", str(n)) for a in command])
@@ -145,6 +143,25 @@ def _prepare(
         child_env[ENV_INDEX] = str(i)
         envs.append(child_env)
     return argv, envs
+
+
+def _set_gpu_memory_env(
+    env: dict[str, str], *, megabytes: int | None = None, fraction: float | None = None
+) -> None:
+    """Puts one GPU memory cap in `env` and removes the other variable, in place.
+
+    ``import keras_tfr`` refuses an environment holding both ``KERAS_TFR_GPU_MEMORY_MB``
+    and ``KERAS_TFR_GPU_MEMORY_FRACTION`` (a ValueError), so a cap set by a launcher
+    (``keras-tfr parallel``, ``keras-tfr tune``) must replace one the user's shell
+    exports. With neither argument both variables are removed: no cap. The values are
+    written as given; callers check them.
+    """
+    env.pop(_ENV_MEGABYTES, None)
+    env.pop(_ENV_FRACTION, None)
+    if megabytes is not None:
+        env[_ENV_MEGABYTES] = str(megabytes)
+    elif fraction is not None:
+        env[_ENV_FRACTION] = repr(float(fraction))
 
 
 def _check_grace(grace_period: Any) -> float:

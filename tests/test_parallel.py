@@ -112,6 +112,20 @@ def test_environment_of_each_child():
     assert "KERAS_TFR_GPU_MEMORY_MB=None KERAS_TFR_GPU_MEMORY_FRACTION=0.25" in out.getvalue()
 
 
+def test_set_gpu_memory_env_keeps_one_variable():
+    """Shared by `keras-tfr parallel` and `keras-tfr tune`: `import keras_tfr` refuses both."""
+    from keras_tfr.parallel import _set_gpu_memory_env
+
+    mb, fraction = "KERAS_TFR_GPU_MEMORY_MB", "KERAS_TFR_GPU_MEMORY_FRACTION"
+    env = {"PATH": "/bin", fraction: "0.9"}
+    _set_gpu_memory_env(env, megabytes=512)
+    assert env == {"PATH": "/bin", mb: "512"}
+    _set_gpu_memory_env(env, fraction=0.25)
+    assert env == {"PATH": "/bin", fraction: "0.25"}
+    _set_gpu_memory_env(env)
+    assert env == {"PATH": "/bin"}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -307,3 +321,71 @@ def test_cli_usage_errors(capsys):
             ]
         )
     assert e.value.code == 2
+
+
+def test_cli_fail_fast_stops_the_others(caplog):
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="keras_tfr.parallel"):
+        code = cli.main(
+            [
+                *["parallel", "-n", "3", "--fail-fast", "--grace-period", "30", "--"],
+                *_py("import sys, time\nif sys.argv[1] == '0': sys.exit(4)\ntime.sleep(60)"),
+                "{i}",
+            ]
+        )
+    assert code == 1
+    assert time.monotonic() - start < 30  # the sleepers were stopped, not waited for
+    messages = [r.getMessage() for r in caplog.records]
+    assert "keras-tfr parallel: a process failed; stopping the others" in messages
+    assert "keras-tfr parallel: [1] was stopped by SIGTERM" in messages
+    assert "keras-tfr parallel: [2] was stopped by SIGTERM" in messages
+
+
+def test_cli_gpu_memory_fraction_replaces_the_shells_mb(capsys, monkeypatch):
+    monkeypatch.setenv("KERAS_TFR_GPU_MEMORY_MB", "2048")  # exported by the user's shell
+    show = (
+        "import os; import keras_tfr; "  # applies the cap; raises with both variables
+        "print('cap', os.environ.get('KERAS_TFR_GPU_MEMORY_MB'), "
+        "os.environ['KERAS_TFR_GPU_MEMORY_FRACTION'])"
+    )
+    code = cli.main(["parallel", "-n", "1", "--gpu-memory-fraction", "0.2", "--", PY, "-c", show])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "[0] cap None 0.2" in out.splitlines()
+
+
+def _gpu_doc() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).parent.parent / "docs" / "gpu.md").read_text()
+
+
+def test_cli_grace_period_default_is_the_documented_one():
+    import inspect
+
+    from keras_tfr.cli import build_parser
+
+    documented = re.search(r"`--grace-period` seconds \(default (\d+)\)", _gpu_doc())
+    assert documented, "docs/gpu.md no longer states the --grace-period default"
+    default = float(documented.group(1))
+    args = build_parser().parse_args(["parallel", "-n", "1", "--", PY])
+    assert args.grace_period == default
+    assert inspect.signature(launch).parameters["grace_period"].default == default
+    r = subprocess.run(
+        [PY, "-m", "keras_tfr.cli", "parallel", "--help"], capture_output=True, text=True
+    )
+    assert f"(default {documented.group(1)})" in " ".join(r.stdout.split())
+
+
+def test_cli_ends_with_the_documented_summary_line():
+    documented = re.search(r"^keras-tfr parallel: all 4 process\(es\) succeeded$", _gpu_doc(), re.M)
+    assert documented, "docs/gpu.md no longer shows the closing line"
+    r = subprocess.run(
+        [PY, "-m", "keras_tfr.cli", "parallel", "-n", "2", "--", PY, "-c", "print('hi')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert _lines_by_child(r.stdout) == {0: ["hi"], 1: ["hi"]}
+    assert r.stderr.splitlines()[-1] == "keras-tfr parallel: all 2 process(es) succeeded"

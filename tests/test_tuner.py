@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -92,6 +93,7 @@ def _build_fn(units=False, seen=None):
                         "x": x,
                         "val_batch_size": getattr(val, "batch_size", None),
                         "batch_size_kwarg": kwargs.get("batch_size"),
+                        "validation_batch_size_kwarg": kwargs.get("validation_batch_size"),
                     }
                 )
                 return fit(x, *args, **kwargs)
@@ -206,6 +208,48 @@ def test_copies_share_the_manifest_and_take_the_trials_values(sources, tmp_path)
         assert x.config.shuffle_memory == trial.hyperparameters.values["shuffle_memory"]
         assert call["val_batch_size"] == 25  # validation follows, as fit does for arrays
     assert sorted(c["x"].config.shuffle_memory for c in seen) == ["1MB", "2MB"]
+
+
+def test_validation_batch_size_overrides_the_validation_batch_size(data_dirs, sources, tmp_path):
+    """docs/tuning.md: the validation source gets the trial's batch size "unless you pass
+    `validation_batch_size`" (to `search`, which hands it to `fit`)."""
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train, val = sources
+    seen: list = []
+    tuner = _tuner(
+        keras_tuner.RandomSearch,
+        TFRecordHyperModel(_build_fn(seen=seen), batch_size=25),
+        tmp_path,
+        max_trials=1,
+    )
+    tuner.search(train, validation_data=val, validation_batch_size=8, epochs=1, verbose=0)
+    (call,) = seen
+    assert call["x"].batch_size == 25
+    assert call["val_batch_size"] == 8  # not the trial's 25, nor the source's own 10
+    assert call["validation_batch_size_kwarg"] is None  # used up on the source
+    assert val.batch_size == 10  # the user's source is unchanged
+    # Arrays: Keras batches them, so both sizes go to model.fit.
+    x, y = data_dirs["x"], data_dirs["y"]
+    seen.clear()
+    tuner = _tuner(
+        keras_tuner.RandomSearch,
+        TFRecordHyperModel(_build_fn(seen=seen), batch_size=25),
+        tmp_path / "arrays",
+        max_trials=1,
+    )
+    tuner.search(
+        x[:N_TRAIN],
+        y[:N_TRAIN],
+        validation_data=(x[N_TRAIN:], y[N_TRAIN:]),
+        validation_batch_size=8,
+        epochs=1,
+        verbose=0,
+    )
+    (call,) = seen
+    assert (call["batch_size_kwarg"], call["validation_batch_size_kwarg"]) == (25, 8)
 
 
 def test_batch_size_declared_in_build_or_passed_by_a_subclass(sources, tmp_path):
@@ -432,6 +476,169 @@ def test_launcher_timeout_and_bad_arguments(tmp_path):
         tune(tmp_path / "missing.py")
     assert main(["tune", "--workers", "0", script]) == 2
     assert main(["tune", str(tmp_path / "missing.py")]) == 2
+
+
+def test_child_env_replaces_a_fraction_from_the_shell():
+    """import keras_tfr refuses KERAS_TFR_GPU_MEMORY_MB beside _FRACTION: the launcher's
+    cap replaces the shell's; the chief (no GPU) gets neither."""
+    from keras_tfr.tuner.launch import _child_env
+
+    mb, fraction = "KERAS_TFR_GPU_MEMORY_MB", "KERAS_TFR_GPU_MEMORY_FRACTION"
+    base = {"PATH": "/bin", fraction: "0.5"}
+    worker = _child_env(base, "tuner0", 1, 256, None)
+    assert (worker.get(mb), worker.get(fraction)) == ("256", None)
+    chief = _child_env({**base, mb: "64"}, "chief", 0, 256, None)
+    assert (chief.get(mb), chief.get(fraction)) == (None, None)
+    # Without gpu_memory_mb a worker keeps whatever cap the shell exports.
+    assert _child_env(base, "tuner0", 1, None, None)[fraction] == "0.5"
+    assert base == {"PATH": "/bin", fraction: "0.5"}  # not changed in place
+
+
+@pytest.mark.subprocess
+def test_gpu_memory_mb_with_a_fraction_exported_by_the_shell(tmp_path, monkeypatch):
+    """Every worker crashed at `import keras_tfr` when the shell exported
+    KERAS_TFR_GPU_MEMORY_FRACTION and the launcher added KERAS_TFR_GPU_MEMORY_MB."""
+    from keras_tfr.tuner import tune
+
+    monkeypatch.setenv("KERAS_TFR_GPU_MEMORY_FRACTION", "0.5")
+    script = _script(
+        tmp_path,
+        """
+        import json, os, sys
+        import keras_tfr  # applies the cap; raises with both variables set
+        keys = ["KERAS_TFR_GPU_MEMORY_MB", "KERAS_TFR_GPU_MEMORY_FRACTION"]
+        env = {k: os.environ.get(k) for k in keys}
+        with open(os.path.join(sys.argv[1], os.environ["KERASTUNER_TUNER_ID"] + ".json"), "w") as f:
+            json.dump(env, f)
+        """,
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    result = tune(
+        script, [str(out)], workers=1, gpu_memory_mb=256, timeout=120,
+        log_dir=tmp_path / "logs", verbose=False,
+    )  # fmt: skip
+    logs = {p.name: p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log")}
+    assert result.returncodes == {"chief": 0, "tuner0": 0}, logs
+    envs = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert envs == {
+        "chief": {"KERAS_TFR_GPU_MEMORY_MB": None, "KERAS_TFR_GPU_MEMORY_FRACTION": None},
+        "tuner0": {"KERAS_TFR_GPU_MEMORY_MB": "256", "KERAS_TFR_GPU_MEMORY_FRACTION": None},
+    }
+
+
+# A stand-in for a keras-tuner script: the chief leaves what keras-tuner's chief leaves
+# (trial_*/trial.json in the project, its tuner reported to the launcher) and each process
+# prints a line; with "linger", workers go on after the search (like a worker calling
+# get_best_models, which would wait an hour for the finished chief).
+FAKE_SEARCH = """
+import json, os, sys, time, types
+from keras_tfr.tuner.launch import _write_report
+
+tuner_id = os.environ["KERASTUNER_TUNER_ID"]
+print(f"hello from {tuner_id} gpu={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+if tuner_id == "chief":
+    project = os.path.abspath("project")
+    for trial_id, units, score in (("0", 8, 0.5), ("1", 16, 0.25), ("2", 32, None)):
+        os.makedirs(os.path.join(project, "trial_" + trial_id))
+        state = {"trial_id": trial_id, "status": "COMPLETED" if score else "FAILED",
+                 "score": score, "hyperparameters": {"values": {"units": units}}}
+        with open(os.path.join(project, "trial_" + trial_id, "trial.json"), "w") as f:
+            json.dump(state, f)
+    objective = types.SimpleNamespace(name="val_loss", direction="min")
+    _write_report(types.SimpleNamespace(project_dir=project,
+                                        oracle=types.SimpleNamespace(objective=objective)))
+elif sys.argv[1:] == ["linger"]:
+    time.sleep(300)
+"""
+
+
+@pytest.mark.subprocess
+def test_cli_tune_results_log_dir_gpus_and_prefixed_output(tmp_path):
+    script = _script(tmp_path, FAKE_SEARCH)
+    logs, results = tmp_path / "logs", tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "keras_tfr.cli", "tune", "--workers", "3", "--gpus", "0, 1"]
+    cmd += ["--log-dir", str(logs), "--results", str(results), script]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERAS_TFR_GPU")}
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    # The terminal: each process's lines prefixed with its tuner id.
+    assert sorted(line for line in r.stdout.splitlines() if "hello" in line) == [
+        "[chief] hello from chief gpu=",
+        "[tuner0] hello from tuner0 gpu=0",
+        "[tuner1] hello from tuner1 gpu=1",
+        "[tuner2] hello from tuner2 gpu=0",
+    ]
+    assert 'keras-tfr tune: best val_loss = 0.25 with {"units": 16}' in r.stderr
+    # --log-dir: one log per process, without the prefix.
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "chief.log", "tuner0.log", "tuner1.log", "tuner2.log",
+    ]  # fmt: skip
+    assert (logs / "tuner1.log").read_text() == "hello from tuner1 gpu=1\n"
+    # --results: the TuneResult as JSON.
+    saved = json.loads(results.read_text())
+    assert os.path.samefile(saved.pop("project_dir"), tmp_path / "project")
+    assert saved.pop("log_dir") == str(logs)
+    assert [t["trial_id"] for t in saved.pop("trials")] == ["0", "1", "2"]
+    assert saved == {
+        "returncode": 0,
+        "objective": "val_loss",
+        "direction": "min",
+        "best_hyperparameters": {"units": 16},
+        "best_score": 0.25,
+        "trials_completed": 2,
+        "returncodes": {"chief": 0, "tuner0": 0, "tuner1": 0, "tuner2": 0},
+        "errors": [],
+    }
+
+
+@pytest.mark.parametrize("gpus", ["0,,1", "", "1,"])
+def test_cli_tune_bad_gpus(tmp_path, gpus, capsys):
+    from keras_tfr.cli import main
+
+    script = _script(tmp_path, FAKE_SEARCH)
+    logs = tmp_path / "logs"
+    assert main(["tune", "--gpus", gpus, "--log-dir", str(logs), script]) == 2
+    err = capsys.readouterr().err
+    assert "keras-tfr tune: error: Expected `gpus` to list GPU ids like ['0', '1']." in err
+    assert f"Received: {[g.strip() for g in gpus.split(',')]!r}" in err
+    assert not logs.exists()  # nothing was started
+
+
+@pytest.mark.subprocess
+def test_worker_still_running_after_the_search_is_stopped_after_worker_grace(tmp_path, caplog):
+    import inspect
+    import signal
+    from pathlib import Path
+
+    from keras_tfr.tuner import tune
+
+    # The documented default.
+    assert inspect.signature(tune).parameters["worker_grace"].default == 30
+    doc = (Path(__file__).parent.parent / "docs" / "tuning.md").read_text()
+    assert "a worker still running 30 s after the chief\nended well" in doc
+    with pytest.raises(ValueError, match=r"`worker_grace` to be seconds >= 0\. Received: -1"):
+        tune(_script(tmp_path, "", name="empty.py"), worker_grace=-1)
+
+    script = _script(tmp_path, FAKE_SEARCH)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="keras_tfr"):
+        result = tune(
+            script, ["linger"], workers=2, worker_grace=0.5, timeout=60, cwd=tmp_path,
+            log_dir=tmp_path / "logs", verbose=False,
+        )  # fmt: skip
+    assert time.monotonic() - start < 20  # not the workers' 300 s, nor a 30 s grace
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        m.startswith("keras-tfr tune: tuner0, tuner1 still running 0.5 s after the search ended")
+        for m in warnings
+    ), warnings
+    # The search was complete: stopping the lingering workers is no failure.
+    assert result.returncode == 0 and result.errors == []
+    assert result.trials_completed == 2 and result.best_hyperparameters == {"units": 16}
+    assert result.returncodes == {
+        "chief": 0, "tuner0": -signal.SIGTERM, "tuner1": -signal.SIGTERM,
+    }  # fmt: skip
 
 
 DISTRIBUTED_SCRIPT = """

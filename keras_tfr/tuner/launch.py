@@ -3,9 +3,11 @@
 `tune` starts the user's unchanged script as a chief (``KERASTUNER_TUNER_ID=chief``, the
 oracle, a gRPC server on ``127.0.0.1``) and N workers (``tuner0``, ``tuner1``, ...) that
 ask it for trials, each worker's GPU memory capped through ``KERAS_TFR_GPU_MEMORY_MB``
-(read by `keras_tfr.limit_gpu_memory`), waits, and reads the results (best
-hyperparameters, trials completed) from the shared project directory. The processes are
-run by `keras_tfr._supervise`; keras-tuner is patched in them by `keras_tfr._compat.tuner`.
+(read by `keras_tfr.limit_gpu_memory`; it replaces a ``KERAS_TFR_GPU_MEMORY_FRACTION`` of
+the environment, which ``import keras_tfr`` would refuse beside it), waits, and reads the
+results (best hyperparameters, trials completed) from the shared project directory. The
+processes are run by `keras_tfr._supervise`; keras-tuner is patched in them by
+`keras_tfr._compat.tuner`.
 
 How keras-tuner's distributed mode behaves (keras-tuner 1.4, read from its source), and
 what the launcher does about it:
@@ -45,13 +47,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from keras_tfr._supervise import Child, LogFile
+from keras_tfr.parallel import _set_gpu_memory_env
 from keras_tfr.tuner.hypermodel import _check_batch_size
 
 __all__ = ["TuneResult", "is_chief", "is_worker", "tune"]
 
 log = logging.getLogger("keras_tfr")
 
-GPU_MEMORY_ENV = "KERAS_TFR_GPU_MEMORY_MB"
 _REPORT_ENV = "KERAS_TFR_TUNE_REPORT_DIR"
 _KILL_GRACE_S = 5.0
 
@@ -96,8 +98,10 @@ class TuneResult:
     """What a distributed search left behind.
 
     Attributes:
-        returncode: 0 when every process ended well and at least one trial completed,
-            else 1.
+        returncode: 0 when at least one trial completed and every process exited with
+            status 0, except workers stopped because they still ran ``worker_grace``
+            seconds after the chief ended well (warned about; their signal is in
+            ``returncodes``); else 1.
         project_dir: the tuner's shared project directory (None if no tuner was built).
         objective: the objective's name; ``direction`` is ``"min"`` or ``"max"``.
         best_hyperparameters: the best completed trial's values (None without one).
@@ -169,7 +173,8 @@ def tune(
     directory.
 
     Each worker gets ``KERAS_TFR_GPU_MEMORY_MB=gpu_memory_mb`` (`limit_gpu_memory`
-    reads it; the CUDA context comes on top of the cap) and, with ``gpus``, one GPU of
+    reads it; the CUDA context comes on top of the cap; a
+    ``KERAS_TFR_GPU_MEMORY_FRACTION`` of the environment is removed) and, with ``gpus``, one GPU of
     the list in turn through ``CUDA_VISIBLE_DEVICES``. The chief only runs the oracle
     and builds each model once to learn the search space, so it sees no GPU
     (``CUDA_VISIBLE_DEVICES=""``) and takes no GPU memory.
@@ -185,7 +190,8 @@ def tune(
         timeout: seconds for the whole search; then every process is stopped.
         worker_grace: seconds a worker may still run after the chief ended well (code
             after ``search()`` on a worker that asks the finished chief would wait for an
-            hour); then it is stopped, with a warning.
+            hour); then it is stopped, with a warning. The search is over by then, so
+            this alone does not make ``returncode`` 1.
         log_dir: where ``chief.log``, ``tuner0.log``, ... go (a new temporary
             directory by default).
         cwd: working directory of the processes (default: the current one).
@@ -194,8 +200,8 @@ def tune(
             ``[tuner id]``.
 
     Returns:
-        A `TuneResult`: ``returncode`` 0 when all went well, the best hyperparameters,
-        the trials and where the logs are.
+        A `TuneResult`: ``returncode`` 0 when all went well (see `TuneResult`), the best
+        hyperparameters, the trials and where the logs are.
 
     Example:
         >>> result = tune("search.py", workers=4, gpu_memory_mb=2048, timeout=3600)
@@ -205,6 +211,12 @@ def tune(
     script, workers, gpu_memory_mb, gpus, port = _check_tune_args(
         script, workers, gpu_memory_mb, gpus, port, timeout
     )
+    if (
+        isinstance(worker_grace, bool)
+        or not isinstance(worker_grace, int | float)
+        or not worker_grace >= 0
+    ):
+        raise ValueError(f"Expected `worker_grace` to be seconds >= 0. Received: {worker_grace!r}")
     cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
     log_dir = os.fspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="keras-tfr-tune-")
     os.makedirs(log_dir, exist_ok=True)
@@ -306,14 +318,18 @@ def _child_env(
     gpu_memory_mb: int | None,
     gpus: list[str] | None,
 ) -> dict[str, str]:
-    """The environment of process ``index`` (0 is the chief, which sees no GPU)."""
+    """The environment of process ``index`` (0 is the chief, which sees no GPU).
+
+    ``gpu_memory_mb`` replaces a ``KERAS_TFR_GPU_MEMORY_FRACTION`` the environment holds
+    (``import keras_tfr`` refuses both); the chief gets neither variable.
+    """
     child_env = {**base_env, "KERASTUNER_TUNER_ID": tuner_id}
     if tuner_id == "chief":
         child_env["CUDA_VISIBLE_DEVICES"] = ""
-        child_env.pop(GPU_MEMORY_ENV, None)
+        _set_gpu_memory_env(child_env)  # no cap: it has no GPU
     else:
         if gpu_memory_mb is not None:
-            child_env[GPU_MEMORY_ENV] = str(gpu_memory_mb)
+            _set_gpu_memory_env(child_env, megabytes=gpu_memory_mb)
         if gpus is not None:
             child_env["CUDA_VISIBLE_DEVICES"] = gpus[(index - 1) % len(gpus)]
     return child_env
