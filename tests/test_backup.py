@@ -282,10 +282,13 @@ def test_damaged_newest_backup_falls_back_to_the_previous(tmp_path, uninterrupte
     assert history.history == uninterrupted[1]
 
 
-def test_backup_cut_short_by_a_kill_is_ignored(tmp_path, uninterrupted):
+@pytest.mark.parametrize("double", [False, True])
+def test_backup_cut_short_by_a_kill_is_ignored(tmp_path, uninterrupted, double):
     d = tmp_path / "backup"
-    _fit(BackupAndRestore(str(d), save_freq=3), stop=(1, 6))
-    assert _ckpts(d) == ["ckpt-000001-000000005"]  # without double_checkpoint: one kept
+    make = lambda: BackupAndRestore(str(d), save_freq=3, double_checkpoint=double)  # noqa: E731
+    _fit(make(), stop=(1, 6))
+    kept = ["ckpt-000001-000000005"]  # without double_checkpoint: one kept
+    assert _ckpts(d) == (["ckpt-000001-000000002", *kept] if double else kept)
     # What a kill while writing the backup of (1, 8) leaves: no metadata.json, half a file.
     partial = d / "ckpt-000001-000000008"
     partial.mkdir()
@@ -294,8 +297,8 @@ def test_backup_cut_short_by_a_kill_is_ignored(tmp_path, uninterrupted):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # ignored quietly: nothing was lost
         warnings.filterwarnings("ignore", message=".*shuffle=True.*")
-        model, history, trained = _fit(BackupAndRestore(str(d), save_freq=3))
-    assert trained[0] == (1, 5)
+        model, history, trained = _fit(make())
+    assert trained[0] == (1, 5)  # the newest complete backup, not the one before it
     assert not partial.exists()
     for got, want in zip(_weights(model), uninterrupted[0]):
         np.testing.assert_array_equal(got, want)
@@ -323,8 +326,10 @@ def test_only_backup_damaged_raises_naming_the_file(tmp_path):
     [name] = _ckpts(d)
     state = d / name / "state.npz"
     state.write_bytes(state.read_bytes()[:-10])
-    with pytest.raises(BackupRestoreError, match=r"state\.npz is damaged: expected \d+ bytes"):
+    # An OSError, as documented: code that catches OSError around `fit` catches it.
+    with pytest.raises(OSError, match=r"state\.npz is damaged: expected \d+ bytes") as info:
         _fit(BackupAndRestore(str(d), save_freq=3))
+    assert type(info.value) is BackupRestoreError
 
 
 def test_backup_of_other_data_is_refused(tmp_path):
@@ -458,3 +463,43 @@ def test_unverified_keras_version_falls_back_with_a_warning(tmp_path, monkeypatc
 def test_bad_save_freq(tmp_path, save_freq):
     with pytest.raises(ValueError, match="save_freq"):
         BackupAndRestore(str(tmp_path), save_freq=save_freq)
+
+
+def test_backup_restore_error_is_an_os_error():
+    from keras_tfr.errors import KerasTFRError
+
+    error = BackupRestoreError("no backup could be restored")
+    assert isinstance(error, OSError) and isinstance(error, KerasTFRError)
+
+
+@pytest.fixture(scope="module")
+def tfr_train(tmp_path_factory):
+    """A real `TFRecordSequenceSource`: 40 samples (10 batches of 4), class labels."""
+    from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+
+    (features, _, target), _ = arrays(BASE["train"], BASE["val"])
+    labels = (target[:, 0] > np.median(target)).astype(np.int64)
+    d = str(tmp_path_factory.mktemp("tfr") / "train")
+    ArraysToRecords.from_arrays(features, labels, d, verbose=0)
+    return TFRecordSequenceSource(d, batch_size=BASE["batch_size"], seed=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"steps_per_epoch": STEPS}, "`fit` was given `steps_per_epoch`"),
+        ({"class_weight": {0: 1.0, 1: 2.0}}, "Keras wraps the source"),
+    ],
+)
+def test_real_fit_falls_back_to_keras_callback_with_a_warning(tmp_path, tfr_train, kwargs, problem):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile("adam", loss, jit_compile=False)
+    d = tmp_path / "backup"
+    callback = BackupAndRestore(str(d), save_freq=3, delete_checkpoint=False)
+    assert len(tfr_train) == STEPS
+    with pytest.warns(UserWarning, match=rf"falls back to Keras' own callback.*{problem}"):
+        model.fit(tfr_train, epochs=1, verbose=0, callbacks=[callback], **kwargs)
+    # Keras' code ran: its files, no keras-tfr backup directory.
+    assert sorted(p.name for p in d.iterdir()) == ["latest.weights.h5", "training_metadata.json"]

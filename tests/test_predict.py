@@ -83,3 +83,34 @@ def test_writer_as_predict_callback(tmp_path, small_xy):
     assert m.total_samples == 34
     written = _read(str(tmp_path / "cb"))
     assert written.numpy().tobytes() == out.astype(np.float32).tobytes()
+
+
+def test_every_layout_bit_for_bit(make_dataset, tmp_path, small_xy):
+    x, y = small_xy
+    src = TFRecordSequenceSource(make_dataset(x, y, samples_per_record=4), 8, shuffle=False)
+    teacher = _teacher()
+    predicted = teacher.predict(src, verbose=0).astype(np.float32)
+    assert predicted.shape == (34, 4)
+
+    m = predict_to_records(teacher, src, str(tmp_path / "default"), verbose=0)
+    assert m.structure == {"x": "array"}  # no y
+    assert [f.key for f in m.features] == ["x"]
+    xb = _read(str(tmp_path / "default"))  # inputs only: a tensor, not a tuple
+    assert xb.numpy().tobytes() == predicted.tobytes()
+
+    predict_to_records(teacher, src, str(tmp_path / "inputs"), keep_inputs=True, verbose=0)
+    xb, pb = _read(str(tmp_path / "inputs"))
+    assert xb.numpy().tobytes() == x.tobytes() and pb.numpy().tobytes() == predicted.tobytes()
+
+    predict_to_records(teacher, src, str(tmp_path / "targets"), keep_targets=True, verbose=0)
+    pb, yb = _read(str(tmp_path / "targets"))
+    assert pb.numpy().tobytes() == predicted.tobytes() and yb.numpy().tobytes() == y.tobytes()
+
+    m = predict_to_records(
+        teacher, src, str(tmp_path / "both"), keep_inputs=True, keep_targets=True, verbose=0
+    )
+    assert m.structure == {"x": "array", "y": "dict"}
+    xb, yd = _read(str(tmp_path / "both"))
+    assert xb.numpy().tobytes() == x.tobytes()
+    assert yd["predictions"].numpy().tobytes() == predicted.tobytes()
+    assert yd["targets"].numpy().tobytes() == y.tobytes()

@@ -254,3 +254,78 @@ def test_convert_stores_encoded_images_as_bytes(tmp_path):
     )
     got = np.concatenate([x.numpy() for x, _ in src])
     assert np.array_equal(got, images)
+
+
+def _write_token_lengths(path, lengths):
+    """One Example per record: `tokens`, an int64 list of the given length (values = i)."""
+    with tf.io.TFRecordWriter(str(path)) as w:
+        for i, n in enumerate(lengths):
+            f = {"tokens": tf.train.Feature(int64_list=tf.train.Int64List(value=[i] * n))}
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+
+
+@pytest.mark.parametrize("odd, inferred", [(64, "fixed"), (63, "varlen")])
+def test_features_none_infers_from_the_first_64_records_of_the_first_file(tmp_path, odd, inferred):
+    # Every record has 3 tokens except record `odd` (0-based) and, in a second file, all
+    # of them: only the first 64 records of the first file are looked at.
+    _write_token_lengths(tmp_path / "a-0.tfrecord", [5 if i == odd else 3 for i in range(70)])
+    _write_token_lengths(tmp_path / "a-1.tfrecord", [1, 2, 4, 6])
+    f = infer_features([str(tmp_path / "a-0.tfrecord"), str(tmp_path / "a-1.tfrecord")])
+    if inferred == "fixed":
+        assert isinstance(f["tokens"], tf.io.FixedLenFeature) and f["tokens"].shape == [3]
+    else:
+        assert isinstance(f["tokens"], tf.io.VarLenFeature)
+    ds = from_tfrecords(str(tmp_path / "a-*.tfrecord"), None, 8, ragged="ragged", shuffle=False)
+    if inferred == "fixed":  # the guess from 64 records: a fixed [3] list
+        assert ds.element_spec == tf.TensorSpec([None, 3], tf.int64)
+        assert next(iter(ds)).numpy().tolist() == [[i] * 3 for i in range(8)]
+    else:
+        assert isinstance(ds.element_spec, tf.RaggedTensorSpec)
+        rows = [r.numpy().tolist() for b in ds for r in b]
+        assert len(rows) == 74 and rows[63] == [63] * 5
+        assert rows[70:] == [[0], [1, 1], [2] * 4, [3] * 6]  # the second file, as it is
+
+
+def test_read_only_directory_is_recounted_each_time(tmp_path, monkeypatch):
+    import keras_tfr._io
+
+    _write_tutorial(tmp_path)
+    paths = sorted(str(p) for p in tmp_path.glob("*.tfrecord"))
+    refused = []
+
+    def read_only(path, data, durable=True):  # as a directory without write permission
+        refused.append(path)
+        raise PermissionError(13, "Permission denied", path)
+
+    # Tests run as root, whom chmod does not stop: refuse the write itself.
+    monkeypatch.setattr(keras_tfr._io, "write_atomic", read_only)
+    opened = []
+    real = tf.data.TFRecordDataset
+
+    def counting(path, *args, **kwargs):
+        if isinstance(path, str):  # not the pipeline's per-file datasets (traced)
+            opened.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(tf.data, "TFRecordDataset", counting)
+    for attempt in (1, 2):
+        ds = from_tfrecords(str(tmp_path / "*.tfrecord"), FEATURES, 8, y="label", shuffle=False)
+        assert len(ds) == 6
+        assert count_records(paths) == [15, 15, 15]
+        # Each count reads every file again: nothing was cached, on disk or in memory.
+        assert sorted(opened) == sorted(paths * 2 * attempt)
+        assert refused and all(p.endswith(COUNTS_NAME) for p in refused)
+        assert not (tmp_path / COUNTS_NAME).exists()
+    assert np.concatenate([y.numpy() for _, y in ds]).shape == (N,)
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.float64, tf.uint8])
+def test_wrong_tensor_feature_dtype_names_the_feature(tmp_path, dtype):
+    # int32 has float32's size: the serialized tensors' length matches, only the dtype
+    # recorded in their header tells them apart.
+    _write_tutorial(tmp_path)
+    ds = from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": TensorFeature(dtype, (6, 4))}, 8)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=rf"feature `image`.* not {dtype.name} of shape"
+    ):
+        next(iter(ds))

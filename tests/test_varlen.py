@@ -246,3 +246,100 @@ def test_verify_names_a_shard_whose_lengths_do_not_add_up(tmp_path):
         w.write(bad)
     problems = verify_shard(m, m.shards[0])
     assert any("need 8" in p for p in problems), problems
+
+
+def test_object_array_of_int_arrays_is_detected_as_ragged(tmp_path):
+    seqs = _sequences(n=23, dtype=np.int16)
+    obj = np.empty(len(seqs), dtype=object)
+    for i, s in enumerate(seqs):
+        obj[i] = s
+    y = np.arange(23, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(obj, y, d, samples_per_record=4, verbose=0)  # no variable_length
+    (spec,) = Manifest.load(d).features_of("x")
+    assert (spec.kind, spec.dtype, spec.shape) == ("ragged", "int16", ())
+    src = TFRecordSequenceSource(d, batch_size=5, shuffle=False, ragged="ragged")
+    rows = [r.numpy() for xb, _ in src for r in xb]
+    assert len(rows) == 23
+    for a, b in zip(rows, seqs):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_on_disk_layout_of_variable_features(tmp_path):
+    """Checked with TensorFlow's own Example parser, not keras-tfr's decoder."""
+    seqs = _sequences(n=11, row=(2,), dtype=np.float32)
+    pngs = [bytes([i]) * (i % 4) for i in range(11)]  # bytes of varying length, some empty
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(
+        {"seq": seqs, "img": pngs},
+        np.arange(11, dtype=np.int64),
+        d,
+        variable_length=["x/seq", "x/img"],
+        samples_per_record=4,
+        verbose=0,
+    )
+    with open(os.path.join(d, "manifest.json")) as f:
+        kinds = {spec["name"]: spec.get("kind") for spec in json.load(f)["features"]}
+    assert kinds == {"seq": "ragged", "img": "bytes", "": None}
+    shards = sorted(p for p in os.listdir(d) if p.endswith(".tfrecord"))
+    assert shards
+    examples = [
+        tf.train.Example.FromString(r.numpy())
+        for s in shards
+        for r in tf.data.TFRecordDataset(os.path.join(d, s))
+    ]
+    assert len(examples) == 3  # 11 samples in blocks of 4
+
+    def one_bytes(example, key):
+        (value,) = example.features.feature[key].bytes_list.value
+        return value
+
+    keys = {"x/seq", "x/seq/__lengths__", "x/img", "x/img/__lengths__"}
+    start = 0
+    for ex in examples:
+        block = slice(start, start + 4)
+        n = len(seqs[block])
+        assert set(ex.features.feature) >= keys
+        lengths = np.frombuffer(one_bytes(ex, "x/seq/__lengths__"), "<i8")
+        assert lengths.tolist() == [len(s) for s in seqs[block]]  # rows, not values
+        assert one_bytes(ex, "x/seq") == b"".join(s.astype("<f4").tobytes() for s in seqs[block])
+        lengths = np.frombuffer(one_bytes(ex, "x/img/__lengths__"), "<i8")
+        assert lengths.tolist() == [len(p) for p in pngs[block]]
+        assert one_bytes(ex, "x/img") == b"".join(pngs[block])
+        assert len(one_bytes(ex, "x/seq/__lengths__")) == 8 * n
+        start += n
+    assert start == 11
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([np.zeros(2, np.int32), "text"], r"element 1 of type str \(encode strings"),
+        ([np.zeros(2, np.int32), np.zeros(1, np.int32), {"a": 1}], r"element 2 of type dict"),
+        ([np.zeros(2, np.int32), None], r"element 1 of type NoneType"),
+        ([np.zeros(2, np.int32), np.zeros(3, np.int32), b"ok"], r"element 2 of type bytes"),
+        ([np.zeros(2, np.int32), np.array([1, None], object)], r"element 1 of dtype object"),
+        ([np.zeros(2, np.int32), np.int32(4)], r"element 1 of dtype int32 and shape \(\)"),
+        (
+            [np.zeros(3, np.float32), np.zeros(1, np.float32), np.zeros(2, np.int64)],
+            r"dtype float32 .*element 2 of dtype int64",
+        ),
+        (
+            [np.zeros((2, 3)), np.zeros((0, 3)), np.zeros((1, 3)), np.zeros((2, 4))],
+            r"element 3 of dtype float64 and shape \(2, 4\)",
+        ),
+        # The first element's dtype is not supported: named too, with the dtype.
+        ([np.array(["ab", "c"]), np.array(["d"])], r"dtype=<U2 .*element 0 of `x`"),
+        ([np.zeros(2, np.complex64), np.zeros(1, np.complex64)], r"complex64.*element 0 of"),
+    ],
+)
+@pytest.mark.parametrize("declared", [False, True])
+def test_refused_values_name_the_element(tmp_path, bad, match, declared):
+    obj = np.empty(len(bad), dtype=object)
+    for i, v in enumerate(bad):
+        obj[i] = v
+    kwargs = {"variable_length": "x"} if declared else {}  # given as a list, or detected
+    values = list(bad) if declared else obj
+    with pytest.raises((TypeError, ValueError), match=match):
+        ArraysToRecords.from_arrays(values, str(tmp_path / "ds"), verbose=0, **kwargs)
+    assert not os.path.exists(tmp_path / "ds" / "manifest.json")

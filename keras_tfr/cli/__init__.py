@@ -113,5 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (KerasTFRError, ValueError, TypeError, OSError) as e:
         # One place turns bad input into exit code 2 for every subcommand.
-        print(f"keras-tfr {args.command}: error: {e}", file=sys.stderr)
+        print(f"keras-tfr {args.command}: error: {with_flags(e)}", file=sys.stderr)
         return 2
+
+
+# The library's errors name its Python arguments; a user of the command has these flags.
+_FLAGS = {
+    "`ArraysToRecords(..., resume=True)`": "`keras-tfr convert ... --resume` (or "
+    "`ArraysToRecords(..., resume=True)` for a conversion written in Python)",
+    "`overwrite=True`": "`--overwrite`",
+    "`resume=True`": "`--resume`",
+}
+
+
+def with_flags(error: BaseException) -> str:
+    """``error``'s message with the library's arguments replaced by the commands' flags."""
+    message = str(error)
+    for argument, flag in _FLAGS.items():
+        message = message.replace(argument, flag)
+    return message

@@ -146,6 +146,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    if args.overwrite and args.resume:
+        return _error("convert", "--overwrite and --resume contradict each other: pass one of them")
     x = _role_value(args.x)
     y = _role_value(args.y)
     sw = load_array(args.sample_weight) if args.sample_weight else None

@@ -137,7 +137,10 @@ class Variable:
                 )
             if first is None:
                 first = a
-                dt = check_dtype(a.dtype, argument=argument)
+                try:
+                    dt = check_dtype(a.dtype, argument=argument)
+                except TypeError as e:  # name the element, as for the later ones
+                    raise TypeError(f"{e} Received at element {i} of `{argument}`.") from e
             elif a.dtype != first.dtype or a.shape[1:] != first.shape[1:]:
                 raise ValueError(
                     f"Expected every sample of `{argument}` to have dtype {first.dtype} and "

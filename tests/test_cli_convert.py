@@ -1,0 +1,437 @@
+"""What docs/cli.md promises of `convert`, `convert-tfrecords --feature`, `bench
+--no-shuffle` and `serve`: each claim run through the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keras_tfr.cli import data, main
+from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
+
+EXE = os.path.join(os.path.dirname(sys.executable), "keras-tfr")
+
+
+def _bits(a) -> tuple[str, tuple, bytes]:
+    a = np.asarray(a)
+    return a.dtype.str, a.shape, a.tobytes()
+
+
+def _read_all(directory, **kwargs):
+    """Every batch of ``directory`` in written order, concatenated per part."""
+    from keras_tfr import TFRecordSequenceSource
+
+    batches = list(TFRecordSequenceSource(directory, batch_size=16, shuffle=False, **kwargs))
+
+    def cat(parts):
+        if isinstance(parts[0], dict):
+            return {k: cat([p[k] for p in parts]) for k in parts[0]}
+        if hasattr(parts[0], "flat_values"):  # tf.RaggedTensor: one list per sample
+            return [sample for p in parts for sample in p.to_list()]
+        return np.concatenate([p.numpy() for p in parts])
+
+    if isinstance(batches[0], tuple):
+        return tuple(cat(list(part)) for part in zip(*batches))
+    return cat(batches)
+
+
+@pytest.fixture
+def arrays(tmp_path):
+    """Two named inputs, targets and weights, saved as .npy files in ``tmp_path``."""
+    rng = np.random.default_rng(5)
+    out = {
+        "image": rng.integers(0, 256, size=(37, 4, 3), dtype=np.uint8),
+        "meta": rng.standard_normal((37, 6)).astype(np.float32),
+        "y": np.arange(37, dtype=np.int64) * 3,
+        "w": rng.random(37).astype(np.float32),
+    }
+    out["meta"][0, :3] = [-0.0, np.inf, np.nan]  # bit for bit, not merely equal
+    for name, a in out.items():
+        np.save(tmp_path / f"{name}.npy", a)
+    return out
+
+
+# ------------------------------------------------------------------------ convert
+
+
+def test_convert_named_inputs_and_sample_weight_bit_for_bit(tmp_path, arrays, monkeypatch, capsys):
+    from keras_tfr.write.arrays_to_records import ArraysToRecords
+
+    given = {}
+    real = ArraysToRecords.from_arrays
+
+    def spy(x, y, directory, **kwargs):
+        given.update(x=x, y=y, sample_weight=kwargs["sample_weight"])
+        return real(x, y, directory, **kwargs)
+
+    monkeypatch.setattr(ArraysToRecords, "from_arrays", staticmethod(spy))
+    d = str(tmp_path / "ds")
+    rc = main(
+        [
+            "convert",
+            d,
+            "--x",
+            f"image={tmp_path / 'image.npy'}",
+            "--x",
+            f"meta={tmp_path / 'meta.npy'}",
+            "--y",
+            str(tmp_path / "y.npy"),
+            "--sample-weight",
+            str(tmp_path / "w.npy"),
+            "--quiet",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert "wrote 37 samples" in capsys.readouterr().out
+
+    # `.npy` inputs are memory-mapped, read chunk by chunk, never loaded whole.
+    loaded = [*given["x"].values(), given["y"], given["sample_weight"]]
+    assert all(isinstance(a, np.memmap) and a.mode == "r" for a in loaded), loaded
+
+    m = Manifest.load(d)
+    assert set(m.structure) == {"x", "y", "sample_weight"} and m.structure["x"] == "dict"
+    assert {(f.role, f.name) for f in m.features} == {
+        ("x", "image"),
+        ("x", "meta"),
+        ("y", ""),
+        ("sample_weight", ""),
+    }
+    x, y, w = _read_all(d)
+    assert set(x) == {"image", "meta"}
+    for name in ("image", "meta"):
+        assert _bits(x[name]) == _bits(arrays[name]), name
+    assert _bits(y) == _bits(arrays["y"])
+    assert _bits(w) == _bits(arrays["w"])
+
+
+def test_convert_gzip_shards_are_gzip_and_read_back_bit_for_bit(tmp_path, arrays, capsys):
+    x, y = str(tmp_path / "meta.npy"), str(tmp_path / "y.npy")
+    plain, packed = str(tmp_path / "plain"), str(tmp_path / "gzip")
+    assert main(["convert", plain, "--x", x, "--y", y, "--quiet"]) == 0
+    assert main(["convert", packed, "--x", x, "--y", y, "--compression", "GZIP", "--quiet"]) == 0
+    m = Manifest.load(packed)
+    assert m.compression == "GZIP"
+    assert Manifest.load(plain).compression is None
+    for shard in m.shards:
+        raw = Path(packed, shard.file).read_bytes()
+        assert raw[:2] == b"\x1f\x8b", f"{shard.file} is not gzip"
+        assert len(gzip.decompress(raw)) > len(raw)  # one whole gzip stream
+    got_x, got_y = _read_all(packed)
+    assert _bits(got_x) == _bits(arrays["meta"]) and _bits(got_y) == _bits(arrays["y"])
+
+
+def test_convert_into_a_data_set_needs_overwrite_and_says_the_flag(tmp_path, arrays, capsys):
+    d = str(tmp_path / "ds")
+    assert main(["convert", d, "--x", str(tmp_path / "meta.npy"), "--quiet"]) == 0
+    capsys.readouterr()
+    # A second conversion into it: refused as bad input (2), the old data set intact.
+    before = Path(d, MANIFEST_NAME).read_bytes()
+    assert main(["convert", d, "--x", str(tmp_path / "image.npy"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a keras-tfr data set" in err
+    assert "`--overwrite`" in err and "overwrite=True" not in err, err
+    assert Path(d, MANIFEST_NAME).read_bytes() == before
+
+    rc = main(["convert", d, "--x", str(tmp_path / "image.npy"), "--overwrite", "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    assert _bits(_read_all(d)) == _bits(arrays["image"])
+
+    # Both flags at once: bad usage, said in flags.
+    assert main(["convert", d, "--x", str(tmp_path / "image.npy"), "--overwrite", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite and --resume" in err and "=True" not in err, err
+
+
+class _Interrupting:
+    """An input whose second read is a Ctrl-C: the conversion stops after its first chunk."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype, self.reads = a, a.shape, a.dtype, 0
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if self.reads > 1:
+            raise KeyboardInterrupt
+        return self.a[index]
+
+
+def test_convert_resume_continues_an_interrupted_conversion(tmp_path, monkeypatch, capsys):
+    # 24 MB: more than one 16 MB chunk, so the interruption leaves complete shards.
+    x = np.random.default_rng(1).standard_normal((24000, 256)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", np.arange(24000, dtype=np.int64))
+    args = ["--x", str(tmp_path / "x.npy"), "--y", str(tmp_path / "y.npy"), "--quiet"]
+    d = str(tmp_path / "ds")
+
+    real = data.load_array
+    monkeypatch.setattr(
+        data,
+        "load_array",
+        lambda spec: _Interrupting(real(spec)) if spec.endswith("x.npy") else real(spec),
+    )
+    assert main(["convert", d, *args]) == 130
+    monkeypatch.setattr(data, "load_array", real)
+    assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    done = json.loads(Path(d, PROGRESS_NAME).read_text())["shards"]
+    assert len(done) >= 2, "interrupted before any shard was complete"
+    kept = {s["file"]: os.stat(os.path.join(d, s["file"])) for s in done}
+    capsys.readouterr()
+
+    # Without --resume: refused, and told the flag (not the Python argument).
+    assert main(["convert", d, *args]) == 2
+    err = capsys.readouterr().err
+    assert "unfinished conversion" in err and "`--resume`" in err and "`--overwrite`" in err
+    assert "=True" not in err, err
+    # The readers say it in the commands' words too.
+    assert main(["info", d]) == 2
+    err = capsys.readouterr().err
+    assert "incomplete data set" in err and "`keras-tfr convert ... --resume`" in err, err
+    assert "`--overwrite`" in err and "`overwrite=True`" not in err, err
+
+    assert main(["convert", d, *args, "--resume"]) == 0, capsys.readouterr().err
+    for name, st in kept.items():  # the complete shards were kept, not rewritten
+        now = os.stat(os.path.join(d, name))
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns), name
+    ref = str(tmp_path / "ref")
+    assert main(["convert", ref, *args]) == 0
+    for shard in Manifest.load(ref).shards:
+        assert Path(d, shard.file).read_bytes() == Path(ref, shard.file).read_bytes()
+    got_x, got_y = _read_all(d)
+    assert _bits(got_x) == _bits(x) and np.array_equal(got_y, np.arange(24000))
+
+
+def test_convert_memory_maps_npy_and_raw_inputs(tmp_path, monkeypatch):
+    """`x.npy` (memory-mapped): `np.load` is asked for a read-only memmap."""
+    a = np.arange(60, dtype=np.float32).reshape(20, 3)
+    np.save(tmp_path / "a.npy", a)
+    a.tofile(tmp_path / "a.bin")
+    calls = []
+    real = np.load
+
+    def load(*args, **kwargs):
+        calls.append(kwargs.get("mmap_mode"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", load)
+    got = data.load_array(str(tmp_path / "a.npy"))
+    assert calls == ["r"] and isinstance(got, np.memmap) and _bits(got) == _bits(a)
+    raw = data.load_array(f"{tmp_path / 'a.bin'}:float32:3")
+    assert isinstance(raw, np.memmap) and raw.mode == "r" and _bits(raw) == _bits(a)
+
+
+# -------------------------------------------------------------- convert-tfrecords
+
+
+def _feature(kind, value):
+    import tensorflow as tf
+
+    if kind == "int":
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=list(value)))
+    if kind == "float":
+        return tf.train.Feature(float_list=tf.train.FloatList(value=list(value)))
+    return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
+
+
+def _values(spec, n, rng):
+    """``n`` samples for a feature of ``spec``: (their Example features, the values)."""
+    import tensorflow as tf
+
+    if spec == "int64:var":
+        v = [rng.integers(-99, 99, size=i % 4).astype(np.int64) for i in range(n)]
+        return [_feature("int", s) for s in v], v
+    if spec == "bytes":
+        v = [bytes(rng.integers(0, 256, size=i + 1, dtype=np.uint8)) for i in range(n)]
+        return [_feature("bytes", s) for s in v], v
+    if spec == "float32:3":
+        v = rng.standard_normal((n, 3)).astype(np.float32)
+        return [_feature("float", s) for s in v], v
+    if spec == "int64:2,2":
+        v = rng.integers(-9, 9, size=(n, 2, 2)).astype(np.int64)
+        return [_feature("int", s.ravel()) for s in v], v
+    assert spec == "tensor:float32"
+    v = rng.standard_normal((n, 2, 5)).astype(np.float32)
+    return [_feature("bytes", tf.io.serialize_tensor(s).numpy()) for s in v], v
+
+
+@pytest.mark.parametrize("spec", ["int64:var", "bytes", "float32:3", "int64:2,2", "tensor:float32"])
+def test_convert_tfrecords_feature_specs(tmp_path, spec, capsys):
+    import tensorflow as tf
+
+    n = 11
+    features, expected = _values(spec, n, np.random.default_rng(2))
+    src = str(tmp_path / "old.tfrecord")
+    with tf.io.TFRecordWriter(src) as w:
+        for i in range(n):
+            f = {"f": features[i], "label": _feature("float", [float(i)])}
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+    d = str(tmp_path / "new")
+    argv = ["convert-tfrecords", src, d, "--x", "f", "--y", "label", "--quiet"]
+    rc = main([*argv, "--feature", f"f={spec}", "--feature", "label=float32"])
+    assert rc == 0, capsys.readouterr().err
+    assert "wrote 11 samples" in capsys.readouterr().out
+
+    (feature,) = [f for f in Manifest.load(d).features if f.role == "x"]
+    kind = {"int64:var": "ragged", "bytes": "bytes"}.get(spec, "fixed")
+    assert getattr(feature, "kind", "fixed") == kind
+    if kind == "fixed":
+        assert (feature.dtype, feature.shape) == (expected.dtype.name, expected.shape[1:])
+    x, y = _read_all(d, ragged="ragged")
+    assert np.array_equal(y, np.arange(n, dtype=np.float32))
+    if spec == "int64:var":
+        assert x == [s.tolist() for s in expected]
+    elif spec == "bytes":
+        assert x.tolist() == expected
+    else:
+        assert _bits(x) == _bits(expected)
+
+
+# -------------------------------------------------------------------------- bench
+
+
+def test_bench_no_shuffle_reads_in_written_order(make_dataset, monkeypatch, capsys):
+    import keras_tfr.source
+
+    n = 45
+    d = make_dataset(np.zeros((n, 2), np.float32), np.arange(n, dtype=np.int64))
+    made = []
+
+    class Recording(keras_tfr.source.TFRecordSequenceSource):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.kwargs, self.ys = kwargs, []
+            made.append(self)
+
+        def __iter__(self):
+            for batch in super().__iter__():
+                self.ys.extend(batch[1].numpy().tolist())
+                yield batch
+
+    monkeypatch.setattr(keras_tfr.source, "TFRecordSequenceSource", Recording)
+    assert main(["bench", d, "--no-shuffle", "--batch-size", "8", "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "in order" in out and f"{2 * n - 8} samples" in out, out
+    assert made[-1].kwargs["shuffle"] is False
+    assert made[-1].ys == list(range(n)) * 2
+
+    assert main(["bench", d, "--batch-size", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["shuffle"] is True and made[-1].kwargs["shuffle"] is True
+    assert made[-1].ys != list(range(n)) and sorted(made[-1].ys) == list(range(n))
+    assert main(["bench", d, "--no-shuffle", "--batch-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shuffle"] is False
+
+
+# -------------------------------------------------------------------------- serve
+
+
+@contextlib.contextmanager
+def _serving(*args):
+    """Starts ``keras-tfr serve ARGS``; yields it and its lines up to "serving"; kills it
+    if it still runs at the end."""
+    cmd = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "keras_tfr.cli"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.Popen(
+        [*cmd, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("serving"):
+            line = proc.stdout.readline()
+            assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
+            lines.append(line.strip())
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def _terminate(proc) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)  # `serve` waits at most 10 s for the servers
+    assert proc.returncode == 0, err[-2000:]
+    assert out.splitlines()[-1] == "stopped", out
+    return out
+
+
+@pytest.mark.subprocess
+def test_serve_stops_on_sigterm_with_exit_0():
+    with _serving("--workers", "1", "--port", "0") as (proc, lines):
+        assert lines[0].startswith("dispatcher: grpc://localhost:"), lines
+        assert sum(line.startswith("worker: localhost:") for line in lines) == 1, lines
+        _terminate(proc)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.subprocess
+def test_serve_dispatcher_starts_only_workers_that_join_it(make_dataset):
+    from keras_tfr import TFRecordSequenceSource
+    from keras_tfr.distribute import start_service
+
+    n = 40
+    x = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)
+    d = make_dataset(x, np.arange(n, dtype=np.int64), samples_per_record=4)
+    cluster = start_service(0, port=0)  # a dispatcher alone, in this process
+    try:
+        ports = _free_ports(2)
+        address = cluster.target.split("://", 1)[1]
+        args = ["--workers", "2", "--dispatcher", address, "--host", "127.0.0.1"]
+        with _serving(*args, "--worker-ports", *map(str, ports)) as (proc, lines):
+            # Only workers: no dispatcher of its own, no address to read from.
+            assert lines == [*(f"worker: 127.0.0.1:{p}" for p in ports), lines[-1]], lines
+            # Both joined: each sends its own epoch to a reader of the dispatcher, which
+            # has no worker of its own.
+            source = TFRecordSequenceSource(
+                d, batch_size=8, service=cluster.target, service_mode="parallel_epochs"
+            )
+            ids = [i for _, yb in source for i in yb.numpy().tolist()]
+            assert sorted(ids) == sorted(list(range(n)) * 2)
+            _terminate(proc)
+    finally:
+        stopper = threading.Thread(target=cluster.stop, daemon=True)
+        stopper.start()
+        stopper.join(10)
+
+
+def test_convert_tfrecords_into_a_data_set_says_the_flag(tmp_path, capsys):
+    import tensorflow as tf
+
+    path = str(tmp_path / "in.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for i in range(5):
+            feature = {"x": tf.train.Feature(float_list=tf.train.FloatList(value=[i, i]))}
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    d = str(tmp_path / "ds")
+    args = ["convert-tfrecords", path, d, "--feature", "x=float32:2", "--quiet"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "`--overwrite`" in err and "overwrite=True" not in err, err
+    assert main([*args, "--overwrite"]) == 0
