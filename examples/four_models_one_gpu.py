@@ -47,12 +47,14 @@ def write_data(directory: str, samples: int) -> None:
 
 
 def train_one(trial: int, data: str, epochs: int) -> None:
-    """One child: `import keras_tfr` applied the launcher's cap before anything else."""
+    """One child: the launcher's cap (KERAS_TFR_GPU_MEMORY_MB) applies when keras_tfr is
+    imported below (Keras is imported already, so at once), before TensorFlow touches
+    the GPU."""
     import keras
 
     from keras_tfr import TFRecordSequenceSource, limit_gpu_memory
 
-    # The cap is already in place (from KERAS_TFR_GPU_MEMORY_MB at import); calling
+    # The cap is already in place (applied by the keras_tfr import above); calling
     # limit_gpu_memory() again with the same setting only hands back a report of it.
     gpu = limit_gpu_memory() if os.environ.get("KERAS_TFR_GPU_MEMORY_MB") else None
 

@@ -14,8 +14,13 @@ allows that only in its own way, and TensorFlow and JAX only before they start:
   and is restored when the ``with`` block ends.
 
 The environment variables ``KERAS_TFR_GPU_MEMORY_MB`` and ``KERAS_TFR_GPU_MEMORY_FRACTION``
-cap a process without code changes: ``import keras_tfr`` applies them (this is what
-``keras-tfr parallel --gpu-memory-mb`` sets for each child).
+cap a process without code changes (this is what ``keras-tfr parallel --gpu-memory-mb``
+sets for each child). ``import keras_tfr`` checks them and sets XLA's variables at once
+(they need no import); the rest depends on the Keras backend, and importing TensorFlow
+imports Keras, which fixes its backend for the process. So unless Keras or TensorFlow is
+imported already, the cap waits for the program to import Keras or TensorFlow (or torch,
+when the backend is torch) and applies right after that import, for the backend the
+program chose, before any of them can start on the GPU (`_WhenImported`).
 
 The CUDA context and the cuDNN/cuBLAS handles take memory on top of every limit here
 (roughly 0.3-1 GB per process, depending on the GPU and the libraries), so leave that
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.abc
+import json
 import logging
 import math
 import os
@@ -69,8 +76,9 @@ logger = logging.getLogger("keras_tfr.gpu")
 _FIX = (
     "Call `limit_gpu_memory(...)` at the top of the program, before any model, tensor or "
     "data set (a TFRecordSequenceSource included) is created, or set the environment "
-    f"variable {ENV_MEGABYTES} (or {ENV_FRACTION}) before the program starts; "
-    "`import keras_tfr` applies it."
+    f"variable {ENV_MEGABYTES} (or {ENV_FRACTION}) before the program starts and "
+    "`import keras_tfr` before anything else; it applies the cap before the framework "
+    "starts."
 )
 
 
@@ -83,7 +91,8 @@ class GpuMemoryLimit:
 
     Attributes:
         backend: the Keras backend the cap was applied to (``"tensorflow"``, ``"jax"``,
-            ``"torch"``).
+            ``"torch"``): ``keras.config.backend()`` when Keras is imported, else the
+            backend Keras will choose (``KERAS_BACKEND``, else ``keras.json``).
         megabytes: the cap per GPU in MiB as given (``None`` with `fraction` or `growth`).
         fraction: the cap as a fraction of each GPU's total, as given.
         limit_mb: the cap in MiB as applied (from `megabytes` or `fraction`; the smallest
@@ -223,30 +232,45 @@ def limit_gpu_memory(
     environment variable ``KERAS_TFR_GPU_MEMORY_MB`` (or ``KERAS_TFR_GPU_MEMORY_FRACTION``)
     decides. The cap applies at once, so a plain call at the top of the program works;
     the result is also a context manager (reports the peak on exit) and a decorator.
+    A call replaces a cap from the environment variable that is still waiting for
+    Keras or TensorFlow to be imported.
 
-    Backends (read with ``keras.config.backend()``):
+    Backends: ``keras.config.backend()`` once Keras is imported, else the backend Keras
+    will choose (``KERAS_BACKEND``, else the ``"backend"`` of ``keras.json``, else
+    TensorFlow), read without importing Keras. Applying the cap imports TensorFlow
+    (under JAX and torch to hide its GPUs, see below), and importing TensorFlow imports
+    Keras, which fixes Keras' backend: choose the backend before calling this.
 
     - TensorFlow: each chosen GPU becomes one logical device with ``memory_limit``. This
       must happen before TensorFlow initializes the GPU (before any model, tensor or
       data set); if it already did with another setting, `GpuMemoryError` says so.
       **It cannot be undone**: leaving the ``with`` block does not lift the cap, and
       TensorFlow never returns memory it took to the driver before the process ends.
-      On exit the peak (``tf.config.experimental.get_memory_info``) is logged and the
-      statistics are reset.
+      A later call with `megabytes` or `fraction` replaces the limit until TensorFlow
+      initializes the GPU; ``growth=True`` on a GPU that has a limit already raises
+      `GpuMemoryError` (TensorFlow refuses memory growth on a GPU with a logical device
+      configuration, even before it starts). On exit the peak
+      (``tf.config.experimental.get_memory_info``) is logged and the statistics are
+      reset.
     - JAX: sets ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (``megabytes`` becomes a fraction of
-      the largest chosen GPU) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` for growth,
-      before JAX's first operation; `GpuMemoryError` if JAX already started. The cap
-      applies to every GPU JAX sees (select GPUs with ``CUDA_VISIBLE_DEVICES``).
+      the largest GPU) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` for growth, before
+      JAX's first operation; `GpuMemoryError` if JAX already started with other values.
+      A later call removes the variables an earlier call (or the environment variable)
+      set, so ``growth=True`` leaves no fraction behind; variables set outside keras-tfr
+      stay. The cap applies to every GPU JAX sees (select GPUs with
+      ``CUDA_VISIBLE_DEVICES``), so `devices` is a ValueError when JAX has a GPU.
     - torch: ``torch.cuda.set_per_process_memory_fraction`` on each chosen GPU, restored
       to its previous value when the ``with`` block ends. torch always takes memory on
-      demand, so ``growth=True`` changes nothing.
+      demand, so ``growth=True`` only sets the fraction to 1.0 (no cap), which lifts an
+      earlier cap until the block ends.
     - JAX and torch: TensorFlow, which runs the data pipeline, gets no GPU at all
       (`keep_tensorflow_off_gpus`; it imports TensorFlow when installed): TensorFlow's
       share is zero, so the cap is the backend's whole budget. ``KERAS_TFR_TF_GPU=1``
       keeps TensorFlow's GPUs (then TensorFlow's memory comes on top of the cap).
 
-    With no GPU it does nothing and logs one line, so the same script runs on a laptop;
-    then `GpuMemoryLimit.devices` is empty and `GpuMemoryLimit.peak_mb` is ``None``.
+    With no GPU it does nothing (`devices` is not checked either) and logs one line, so
+    the same script runs on a laptop; then `GpuMemoryLimit.devices` is empty and
+    `GpuMemoryLimit.peak_mb` is ``None``.
 
     The CUDA context and the cuDNN/cuBLAS handles take memory beyond the cap (roughly
     0.3-1 GB per process): a GPU of T MiB fits about ``T / (cap + 1024)`` processes.
@@ -256,8 +280,10 @@ def limit_gpu_memory(
             ``memory_limit``), a positive int.
         fraction: the cap as a fraction of each GPU's total memory, in (0, 1].
         growth: take memory on demand with no cap (TensorFlow's memory growth).
-            With TensorFlow it applies to every visible GPU.
+            With TensorFlow it applies to every visible GPU whatever `devices` says
+            (TensorFlow requires one growth setting for all visible GPUs).
         devices: indices of the GPUs to cap (``[0, 2]``); all visible GPUs by default.
+            TensorFlow and torch only; with JAX select GPUs with ``CUDA_VISIBLE_DEVICES``.
 
     Returns:
         A `GpuMemoryLimit`, with ``devices``, ``limit_mb``, ``peak_mb`` and ``report()``.
@@ -278,6 +304,7 @@ def limit_gpu_memory(
     ```
     """
     megabytes, fraction, growth = _check_arguments(megabytes, fraction, growth, devices)
+    _WhenImported.cancel()  # this call is the cap now, not the environment's waiting one
     return GpuMemoryLimit(megabytes, fraction, growth, devices)
 
 
@@ -384,16 +411,142 @@ def _from_environment() -> tuple[int | None, float | None] | None:
 
 
 def _limit_from_environment() -> GpuMemoryLimit | None:
-    """Applies the environment's cap; called by ``import keras_tfr`` when one is set."""
-    global _ENVIRONMENT_LIMIT
-    if _from_environment() is None:
+    """The environment's cap; called by ``import keras_tfr`` when one is set.
+
+    Checks the variables (ValueError at import) and sets XLA's variables whatever the
+    backend (no import needed, and a program that picks JAX later is capped too). The
+    rest needs the Keras backend, and importing TensorFlow imports Keras, which fixes
+    that backend: so it applies now only when Keras or TensorFlow is imported already
+    (or torch, and the backend is torch); otherwise right after the program imports one
+    of them (`_WhenImported`). Returns the cap when it applied now, else ``None``.
+    """
+    env = _from_environment()
+    if env is None:
         return None
-    _ENVIRONMENT_LIMIT = limit_gpu_memory()
+    megabytes, fraction = env
+    if not _jax_started():  # once started, XLA read its variables: JAX's apply decides
+        totals = _jax_gpu_totals()
+        if totals is not None:
+            _set_jax_variables(_jax_environment(megabytes, fraction, False, totals))
+    if _backend_is_settled():
+        return _apply_environment_limit(megabytes, fraction)
+    _WhenImported.install(megabytes, fraction)
+    return None
+
+
+def _backend_is_settled() -> bool:
+    """Whether the environment's cap can apply now without fixing Keras' backend early:
+    Keras or TensorFlow (which imports Keras) is imported, or torch is and the backend
+    is torch (torch's cap needs torch only)."""
+    return (
+        _backend_is_fixed()
+        or "tensorflow" in sys.modules
+        or ("torch" in sys.modules and _keras_backend() == "torch")
+    )
+
+
+def _apply_environment_limit(megabytes: int | None, fraction: float | None) -> GpuMemoryLimit:
+    global _ENVIRONMENT_LIMIT
+    _ENVIRONMENT_LIMIT = GpuMemoryLimit(megabytes, fraction, False, None)
     return _ENVIRONMENT_LIMIT
 
 
-# The cap `import keras_tfr` applied from the environment, if any.
+# The cap applied from the environment, if any (None while it waits, `_WhenImported`).
 _ENVIRONMENT_LIMIT: GpuMemoryLimit | None = None
+
+
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """Applies the environment's cap right after the program imports Keras or TensorFlow.
+
+    A `sys.meta_path` finder that wraps the loader of ``keras``, ``tensorflow`` and
+    ``torch`` (the pattern of ``wrapt``'s post-import hooks: the module keeps its own
+    loader). When the outermost of these imports has finished, Keras' backend is the one
+    the program chose (TensorFlow imports Keras itself), and no framework has started
+    on a GPU yet (that takes an operation): the cap applies then, once. After ``torch``
+    alone it applies only when the backend is torch (torch's cap needs torch; the other
+    backends wait for Keras or TensorFlow). A `limit_gpu_memory` call cancels it. An
+    error while applying it (e.g. ``megabytes`` above a GPU's total) is raised by that
+    import statement, as it was by ``import keras_tfr`` before the cap could wait.
+    """
+
+    TRIGGERS = ("keras", "tensorflow", "torch")
+    _finder: _WhenImported | None = None
+    _cap: tuple[int | None, float | None] | None = None
+    _depth = 0
+    _lock = threading.Lock()
+
+    @classmethod
+    def install(cls, megabytes: int | None, fraction: float | None) -> None:
+        with cls._lock:
+            cls._cap = (megabytes, fraction)
+            if cls._finder is None:
+                cls._finder = cls()
+                sys.meta_path.insert(0, cls._finder)
+
+    @classmethod
+    def cancel(cls) -> tuple[int | None, float | None] | None:
+        """Removes the finder; returns the cap that was waiting, if any."""
+        with cls._lock:
+            cap, cls._cap = cls._cap, None
+            finder, cls._finder = cls._finder, None
+            if finder is not None and finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            return cap
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self.TRIGGERS or _WhenImported._cap is None:
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ThenApply(spec.loader, fullname)
+                return spec
+        return None
+
+    @classmethod
+    def imported(cls, name: str) -> None:
+        """Called when the import of `name` (one of TRIGGERS) has finished."""
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth or cls._cap is None:
+                return  # inside another of them (TensorFlow imports Keras): wait for it
+        if name == "torch" and _keras_backend() != "torch":
+            return
+        cap = cls.cancel()
+        if cap is not None:
+            _apply_environment_limit(*cap)
+
+
+class _ThenApply:
+    """A loader that runs `loader` and then tells `_WhenImported` (wrapt's pattern)."""
+
+    def __init__(self, loader: Any, name: str):
+        self.loader = loader
+        self.name = name
+
+    def create_module(self, spec: Any) -> Any:
+        create = getattr(self.loader, "create_module", None)
+        return None if create is None else create(spec)
+
+    def exec_module(self, module: Any) -> None:
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.loader
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.loader
+        with _WhenImported._lock:
+            _WhenImported._depth += 1
+        try:
+            self.loader.exec_module(module)
+        except BaseException:
+            with _WhenImported._lock:
+                _WhenImported._depth -= 1
+            raise
+        _WhenImported.imported(self.name)
 
 
 # -- backends ----------------------------------------------------------------------------
@@ -402,12 +555,47 @@ _BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "torch"}
 
 
 def _keras_backend() -> str:
-    """``keras.config.backend()``; imports Keras only now (``KERAS_BACKEND`` without it)."""
+    """``keras.config.backend()`` once Keras is imported, else the backend Keras will
+    choose when it is (`_keras_backend_from_settings`). Never imports Keras: that would
+    fix the backend before the program could choose one."""
+    backend = getattr(getattr(sys.modules.get("keras"), "config", None), "backend", None)
+    if callable(backend):
+        return str(backend())
+    return _keras_backend_from_settings()
+
+
+def _backend_is_fixed() -> bool:
+    """Whether Keras is imported, so that its backend can no longer change."""
+    config = getattr(sys.modules.get("keras"), "config", None)
+    return callable(getattr(config, "backend", None))
+
+
+def _keras_backend_from_settings() -> str:
+    """The backend Keras 3 chooses at import, read as ``keras/src/backend/config.py`` does.
+
+    ``KERAS_BACKEND`` when set and not empty; else the ``"backend"`` of ``keras.json`` in
+    ``$KERAS_HOME`` (when set), else in ``~/.keras`` (``/tmp/.keras`` when the home
+    folder is not writable); else ``"tensorflow"``. An unreadable or invalid
+    ``keras.json`` counts as empty (Keras ignores invalid JSON too).
+    """
+    if "KERAS_HOME" in os.environ:
+        keras_dir = os.environ["KERAS_HOME"]
+    else:
+        base = os.path.expanduser("~")
+        if not os.access(base, os.W_OK):
+            base = "/tmp"
+        keras_dir = os.path.join(base, ".keras")
+    backend: Any = "tensorflow"
     try:
-        import keras
-    except ImportError:  # a machine with JAX or torch but no Keras: the usual variable
-        return os.environ.get("KERAS_BACKEND", "tensorflow")
-    return keras.config.backend()
+        with open(os.path.expanduser(os.path.join(keras_dir, "keras.json"))) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict):
+        backend = config.get("backend", backend)
+    if os.environ.get("KERAS_BACKEND"):
+        backend = os.environ["KERAS_BACKEND"]
+    return str(backend)
 
 
 # -- TensorFlow off the GPUs under the other backends -------------------------------------
@@ -475,9 +663,16 @@ def keep_tensorflow_off_gpus() -> str:
     decided = _TF_GPUS
     if decided is not None:  # the common case: one global read, no import
         return decided
+    backend = _keras_backend()
+    if backend != "tensorflow" and not _tensorflow_gpu_opt_out():
+        # Import TensorFlow outside the lock: the import may apply the environment's cap
+        # (`_WhenImported`), which calls this function.
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError:
+            pass
     with _TF_GPUS_LOCK:
         if _TF_GPUS is None:
-            backend = _keras_backend()
             result, message = _decide_tensorflow_gpus(backend)
             if message is not None:
                 warnings.warn(message, TensorFlowGpuWarning, stacklevel=2)
@@ -623,7 +818,8 @@ class _TensorFlow:
         totals = _cuda_device_totals_mb()  # for `fraction` and the report
         names, per_device_total = [], []
         if limit.growth:
-            # TensorFlow requires the same growth setting on every visible GPU.
+            # TensorFlow requires the same growth setting on every visible GPU, so this
+            # ignores `devices` (documented); `limit.devices` names the chosen ones.
             for gpu in visible:
                 _tf_set(tf, gpu, growth=True)
         for i in chosen:
@@ -738,34 +934,57 @@ def _jax_started() -> bool:
     return bool(compat_jax.backends_started())
 
 
-def _check_jax_not_started(wanted: dict[str, str]) -> None:
-    """Raises when JAX started already, unless the environment holds `wanted` already."""
-    if not _jax_started() or all(os.environ.get(k) == v for k, v in wanted.items()):
+def _check_jax_not_started(wanted: dict[str, str], stale: Sequence[str] = ()) -> None:
+    """Raises when JAX started already, unless the environment holds `wanted` already
+    and nothing in `stale` is to be removed."""
+    if not _jax_started() or (not stale and all(os.environ.get(k) == v for k, v in wanted.items())):
         return  # e.g. `import keras_tfr` set the same cap before JAX started
     had = {k: os.environ[k] for k in _JAX_VARIABLES if k in os.environ}
     raise GpuMemoryError(
         "limit_gpu_memory must run before JAX's first operation, but JAX already started "
         f"its backends (with {had or 'its default preallocation'}), and XLA reads "
-        f"{', '.join(sorted(wanted))} only when it starts. " + _FIX
+        f"{', '.join(sorted({*wanted, *stale}))} only when it starts. " + _FIX
     )
+
+
+# The XLA variables keras-tfr set last, with their values: the next cap replaces them.
+_JAX_SET: dict[str, str] = {}
+
+
+def _set_jax_variables(wanted: dict[str, str]) -> None:
+    """Sets `wanted` and removes what keras-tfr set before and `wanted` lacks (so that
+    ``growth=True`` after a cap leaves no fraction); variables set elsewhere stay."""
+    stale = [k for k, v in _JAX_SET.items() if k not in wanted and os.environ.get(k) == v]
+    _check_jax_not_started(wanted, stale)
+    for k in stale:
+        del os.environ[k]
+    os.environ.update(wanted)
+    _JAX_SET.clear()
+    _JAX_SET.update(wanted)
+
+
+def _jax_gpu_totals() -> list[int] | None:
+    """Each GPU's total in MiB as JAX would use them; None when JAX gets no GPU."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return None
+    return _cuda_device_totals_mb() or None
 
 
 class _Jax:
     @staticmethod
     def apply(limit: GpuMemoryLimit) -> Any:
+        totals = _jax_gpu_totals()
+        if totals is None:
+            return "no-gpu"  # nothing to cap, so `devices` does not matter either
         if limit._indices is not None:
             raise ValueError(
                 "With the JAX backend the cap applies to every GPU JAX sees; select GPUs "
                 "with CUDA_VISIBLE_DEVICES before the program starts. "
                 f"Received: devices={limit._indices}"
             )
-        platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-        totals = _cuda_device_totals_mb()
-        if not totals or (platforms and not any(p in platforms for p in ("cuda", "gpu"))):
-            return "no-gpu"
         wanted = _jax_environment(limit.megabytes, limit.fraction, limit.growth, totals)
-        _check_jax_not_started(wanted)
-        os.environ.update(wanted)
+        _set_jax_variables(wanted)
         fraction = float(wanted.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "nan"))
         limit.limit_mb = None if limit.growth else int(fraction * min(totals))
         limit.devices = [f"GPU:{i}" for i in range(len(totals))]
@@ -797,14 +1016,17 @@ class _Torch:
         chosen = _choose(limit._indices, torch.cuda.device_count(), "torch")
         previous = {}
         totals: list[int | None] = []
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         for i in chosen:
             total = torch.cuda.get_device_properties(i).total_memory // _MIB
             totals.append(total)
-            if limit.growth:
-                continue  # torch's caching allocator always takes memory on demand
-            mb = _limit_for_total(limit, total, f"GPU:{i}")
-            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
             previous[i] = getter(i) if getter is not None else 1.0
+            if limit.growth:
+                # torch's caching allocator always takes memory on demand: growth only
+                # lifts a cap set before (the environment's, an earlier call's).
+                torch.cuda.set_per_process_memory_fraction(1.0, i)
+                continue
+            mb = _limit_for_total(limit, total, f"GPU:{i}")
             torch.cuda.set_per_process_memory_fraction(min(1.0, mb / total), i)
             limit.limit_mb = mb if limit.limit_mb is None else min(mb, limit.limit_mb)
         limit.devices = [f"GPU:{i}" for i in chosen]

@@ -2,8 +2,9 @@
 
 Several models fit on one GPU when each process is capped (see `keras_tfr.gpu`). This
 launcher starts the N processes, gives each its cap through the environment variable
-``KERAS_TFR_GPU_MEMORY_MB`` (or ``KERAS_TFR_GPU_MEMORY_FRACTION``), which ``import
-keras_tfr`` applies before the framework starts on the GPU, streams each one's output
+``KERAS_TFR_GPU_MEMORY_MB`` (or ``KERAS_TFR_GPU_MEMORY_FRACTION``), which keras-tfr
+applies in the child (once the child imports both ``keras_tfr`` and Keras, before the
+framework starts on the GPU), streams each one's output
 with a prefix (``[3] ``), stops the others on Ctrl-C or SIGTERM, and fails if any fails.
 
 ```
@@ -55,9 +56,10 @@ def launch(
 
     Each child runs in its own process group with ``{i}`` and ``{n}`` in `command`
     replaced by its index and the count, and with ``KERAS_TFR_GPU_MEMORY_MB`` (or
-    ``KERAS_TFR_GPU_MEMORY_FRACTION``) in its environment, which ``import keras_tfr`` (or
-    ``limit_gpu_memory()``) in the child applies. Every line a child prints, on stdout or
-    stderr, is written to `output` as it comes, prefixed with ``[i] ``.
+    ``KERAS_TFR_GPU_MEMORY_FRACTION``) in its environment, which the child applies by
+    importing ``keras_tfr`` (or by calling ``limit_gpu_memory()``). Every line a child
+    prints, on stdout or stderr, is written to `output` as it comes, prefixed with
+    ``[i] ``.
 
     On Ctrl-C (SIGINT) or SIGTERM the children get the same signal, then SIGKILL after
     `grace_period` seconds (at once on a second Ctrl-C). Signals are caught only when

@@ -6,6 +6,7 @@ The caps themselves need a GPU: `benchmarks/gpu_check.py` proves them there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -186,17 +187,168 @@ def test_launcher_caps_each_child_through_import():
         [
             PY,
             "-c",
-            "import keras_tfr; from keras_tfr import gpu; "
-            "print(gpu._ENVIRONMENT_LIMIT.megabytes, gpu._ENVIRONMENT_LIMIT.backend)",
+            # The cap waits for Keras (it needs the backend the program chooses).
+            "import keras_tfr; from keras_tfr import gpu; waiting = gpu._ENVIRONMENT_LIMIT; "
+            "import keras; "
+            "print(waiting, gpu._ENVIRONMENT_LIMIT.megabytes, gpu._ENVIRONMENT_LIMIT.backend)",
         ],
         2,
         gpu_memory_mb=300,
-        env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"},
         output=out,
     )
     assert code == 0, out.getvalue()
     lines = sorted(x for x in out.getvalue().splitlines() if x.endswith(" tensorflow"))
-    assert lines == ["[0] 300 tensorflow", "[1] 300 tensorflow"]
+    assert lines == ["[0] None 300 tensorflow", "[1] None 300 tensorflow"]
+
+
+# -- the Keras backend, and the environment's cap waiting for the program's choice --------
+
+
+@pytest.fixture
+def keras_settings(monkeypatch, tmp_path):
+    """No KERAS_BACKEND and an empty KERAS_HOME in tmp_path: Keras' settings start blank."""
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("keras_json", "variable", "expected"),
+    [
+        (None, None, "tensorflow"),  # Keras' default
+        ('{"backend": "jax", "floatx": "float32"}', None, "jax"),
+        ('{"floatx": "float32"}', None, "tensorflow"),  # no "backend" key
+        ("{not json", None, "tensorflow"),  # Keras ignores invalid JSON too
+        ('["jax"]', None, "tensorflow"),
+        ('{"backend": "jax"}', "torch", "torch"),  # the variable wins
+        ('{"backend": "jax"}', "", "jax"),  # an empty variable does not
+    ],
+)
+def test_backend_from_keras_settings(keras_settings, monkeypatch, keras_json, variable, expected):
+    if keras_json is not None:
+        (keras_settings / "keras.json").write_text(keras_json)
+    if variable is not None:
+        monkeypatch.setenv("KERAS_BACKEND", variable)
+    assert gpu_module._keras_backend_from_settings() == expected
+
+
+def test_backend_from_keras_json_in_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.delenv("KERAS_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".keras").mkdir()
+    (tmp_path / ".keras" / "keras.json").write_text('{"backend": "torch"}')
+    assert gpu_module._keras_backend_from_settings() == "torch"
+
+
+def test_backend_asks_keras_once_imported(keras_settings, monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(backend=lambda: "torch"))
+    monkeypatch.setitem(sys.modules, "keras", fake)
+    assert gpu_module._keras_backend() == "torch" and gpu_module._backend_is_fixed()
+    # Keras in the middle of its own import (no `keras.config` yet): its settings decide.
+    monkeypatch.setitem(sys.modules, "keras", types.ModuleType("keras"))
+    assert gpu_module._keras_backend() == "jax" and not gpu_module._backend_is_fixed()
+
+
+@pytest.fixture
+def waiting(monkeypatch):
+    """The environment's cap waiting in `_WhenImported`; what would apply is recorded."""
+    applied = []
+    monkeypatch.setattr(gpu_module, "_apply_environment_limit", lambda *cap: applied.append(cap))
+    gpu_module._WhenImported.install(512, None)
+    yield applied
+    gpu_module._WhenImported.cancel()
+    gpu_module._WhenImported._depth = 0
+
+
+def test_waiting_cap_applies_after_the_outermost_import(waiting, monkeypatch):
+    when = gpu_module._WhenImported
+    assert when._finder in sys.meta_path
+    when._depth = 2  # `import tensorflow`, which imports Keras
+    when.imported("keras")
+    assert waiting == [] and when._finder in sys.meta_path  # inside TensorFlow's import
+    when.imported("tensorflow")
+    assert waiting == [(512, None)]
+    assert when._finder not in sys.meta_path and when._cap is None  # once
+
+
+@pytest.mark.parametrize(("backend", "applies"), [("tensorflow", False), ("torch", True)])
+def test_waiting_cap_after_torch_only_for_the_torch_backend(waiting, monkeypatch, backend, applies):
+    monkeypatch.setattr(gpu_module, "_keras_backend", lambda: backend)
+    gpu_module._WhenImported._depth = 1
+    gpu_module._WhenImported.imported("torch")
+    assert waiting == ([(512, None)] if applies else [])
+    assert (gpu_module._WhenImported._cap is None) is applies
+
+
+def test_a_call_replaces_the_waiting_cap(waiting, no_gpu):
+    limit_gpu_memory(256)
+    assert gpu_module._WhenImported._cap is None
+    assert gpu_module._WhenImported._finder not in sys.meta_path
+    gpu_module._WhenImported.imported("keras")
+    assert waiting == []  # the environment's cap never applies over the call
+
+
+_CAP_WAITS = """
+    import json, os, sys
+    import keras_tfr
+    from keras_tfr import gpu
+    out = {"heavy": sorted(m for m in ("keras", "tensorflow", "torch") if m in sys.modules),
+           "waiting": gpu._ENVIRONMENT_LIMIT is None}
+    if sys.argv[1]:
+        os.environ["KERAS_BACKEND"] = sys.argv[1]  # chosen in code, after `import keras_tfr`
+    if sys.argv[2] == "torch":
+        import torch
+    elif sys.argv[2] == "keep_tensorflow_off_gpus":  # it imports TensorFlow, and so Keras
+        out["hidden"] = gpu.keep_tensorflow_off_gpus()
+    out["applied_first"] = gpu._ENVIRONMENT_LIMIT is not None
+    import keras
+    out["keras"] = keras.config.backend()
+    limit = gpu._ENVIRONMENT_LIMIT
+    out["limit"] = [limit.backend, limit.megabytes, limit.tensorflow_gpus]
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    ("keras_json", "chosen", "first", "expected"),
+    [
+        # KERAS_BACKEND set in code after `import keras_tfr`; keras-tfr imports TensorFlow.
+        (None, "jax", "keep_tensorflow_off_gpus", "jax"),
+        ('{"backend": "torch"}', "", "torch", "torch"),  # keras.json; the cap after torch
+    ],
+)
+def test_environment_cap_follows_the_backend_the_program_chooses(
+    tmp_path, keras_json, chosen, first, expected
+):
+    pytest.importorskip(expected)
+    if keras_json is not None:
+        (tmp_path / "keras.json").write_text(keras_json)
+    result = subprocess.run(
+        [PY, "-c", textwrap.dedent(_CAP_WAITS), chosen, first],
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", ENV_FRACTION)},
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "KERAS_HOME": str(tmp_path),
+            "JAX_PLATFORMS": "cpu",
+            ENV_MEGABYTES: "512",
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    out = json.loads(line[0][len("RESULT ") :])
+    # `import keras_tfr` imported none of them, so Keras' backend was still open.
+    assert out["heavy"] == [] and out["waiting"] is True
+    assert out["keras"] == expected
+    assert out["limit"] == [expected, 512, "no-gpu"]  # TensorFlow sees no GPU here
+    assert out["applied_first"] is True  # by the first trigger, before `import keras`
+    assert out.get("hidden", "no-gpu") == "no-gpu"
 
 
 # -- TensorFlow refuses changes once started: its real behaviour, our translation --------
@@ -315,7 +467,7 @@ def test_jax_backend_without_gpu_sets_nothing():
         import logging, os, sys
         logging.basicConfig(level=logging.INFO, format="LOG: %(message)s", stream=sys.stdout)
         from keras_tfr import limit_gpu_memory
-        with limit_gpu_memory(512) as gpu:
+        with limit_gpu_memory(512, devices=[0]) as gpu:  # no GPU: `devices` is not checked
             import keras
             print("SUM:", float(keras.ops.sum(keras.ops.ones(4))))
         print("STATE:", gpu.backend, gpu.devices, gpu.peak_mb,
@@ -330,6 +482,154 @@ def test_jax_backend_without_gpu_sets_nothing():
         "SUM: 4.0",
         "STATE: jax [] None None no-gpu",  # TensorFlow sees no GPU here either
     ]
+
+
+@pytest.fixture
+def jax_gpu(monkeypatch):
+    """The JAX backend on one made-up 1000 MiB GPU that JAX has not started on."""
+    for name in gpu_module._JAX_VARIABLES:
+        monkeypatch.setenv(name, "")  # so that teardown restores it, or its absence
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(gpu_module, "_JAX_SET", {})
+    monkeypatch.setattr(gpu_module, "_ENVIRONMENT_LIMIT", None)
+    monkeypatch.setattr(gpu_module, "_cuda_device_totals_mb", lambda: [1000])
+    monkeypatch.setattr(gpu_module, "_jax_started", lambda: False)
+    monkeypatch.setattr(gpu_module, "_keras_backend", lambda: "jax")
+    monkeypatch.setattr(gpu_module, "_backend_is_settled", lambda: True)
+    monkeypatch.setattr(gpu_module, "keep_tensorflow_off_gpus", lambda: "hidden")
+
+
+def _xla() -> dict[str, str]:
+    return {k: os.environ[k] for k in gpu_module._JAX_VARIABLES if k in os.environ}
+
+
+def test_jax_a_later_call_replaces_the_environment_cap(jax_gpu, monkeypatch):
+    monkeypatch.setenv(ENV_MEGABYTES, "250")
+    from_environment = gpu_module._limit_from_environment()
+    assert from_environment.backend == "jax" and from_environment.limit_mb == 250
+    assert from_environment.devices == ["GPU:0"] and from_environment.total_mb == [1000]
+    assert _xla() == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25"}
+    assert limit_gpu_memory(growth=True).limit_mb is None
+    assert _xla() == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # no fraction left behind
+    limit_gpu_memory(fraction=0.5)
+    assert _xla() == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the user's own: it stays
+    limit_gpu_memory(100)
+    assert _xla() == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
+
+
+def test_jax_started_keeps_its_cap(jax_gpu, monkeypatch):
+    monkeypatch.setenv(ENV_MEGABYTES, "250")
+    gpu_module._limit_from_environment()
+    monkeypatch.setattr(gpu_module, "_jax_started", lambda: True)
+    assert limit_gpu_memory(250).limit_mb == 250  # what XLA read: accepted
+    with pytest.raises(GpuMemoryError) as error:
+        limit_gpu_memory(growth=True)
+    assert "XLA reads XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_PREALLOCATE only" in (
+        str(error.value)
+    )
+    assert _xla() == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25"}  # nothing changed
+
+
+def test_environment_cap_sets_xla_variables_while_it_waits(jax_gpu, monkeypatch):
+    """A program that picks JAX after `import keras_tfr` is capped before JAX starts."""
+    monkeypatch.setattr(gpu_module, "_backend_is_settled", lambda: False)
+    monkeypatch.setenv(ENV_FRACTION, "0.3")
+    try:
+        assert gpu_module._limit_from_environment() is None  # waits for Keras
+        assert gpu_module._WhenImported._cap == (None, 0.3)
+    finally:
+        gpu_module._WhenImported.cancel()
+    assert _xla() == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"}
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # JAX gets no GPU: nothing to set
+    try:
+        gpu_module._limit_from_environment()
+    finally:
+        gpu_module._WhenImported.cancel()
+    assert _xla() == {}
+
+
+def test_jax_devices_is_refused_only_with_a_gpu(jax_gpu, monkeypatch):
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES.*Received: devices=\[0\]"):
+        limit_gpu_memory(512, devices=[0])
+    assert _xla() == {}
+    monkeypatch.setattr(gpu_module, "_cuda_device_totals_mb", lambda: None)
+    assert limit_gpu_memory(512, devices=[0]).devices == []
+
+
+class FakeCuda:
+    """The ``torch.cuda`` calls `limit_gpu_memory` makes, over made-up GPUs."""
+
+    def __init__(self, totals_mib, fractions):
+        self.totals_mib = totals_mib
+        self.fractions = dict(fractions)
+        self.reserved: dict[int, int] = {}
+        self.calls: list[tuple] = []
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return len(self.totals_mib)
+
+    def get_device_properties(self, i):
+        return types.SimpleNamespace(total_memory=self.totals_mib[i] << 20)
+
+    def get_per_process_memory_fraction(self, i):
+        return self.fractions.get(i, 1.0)
+
+    def set_per_process_memory_fraction(self, fraction, i):
+        self.calls.append(("set", i, fraction))
+        self.fractions[i] = fraction
+
+    def max_memory_reserved(self, i):
+        return self.reserved.get(i, 0)
+
+    def reset_peak_memory_stats(self, i):
+        self.calls.append(("reset", i))
+
+
+@pytest.fixture
+def torch_gpus(monkeypatch):
+    torch = pytest.importorskip("torch")
+    cuda = FakeCuda([16384, 8192], {1: 0.9})
+    for name in [n for n in vars(FakeCuda) if not n.startswith("_")]:
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    monkeypatch.setattr(gpu_module, "_keras_backend", lambda: "torch")
+    monkeypatch.setattr(gpu_module, "keep_tensorflow_off_gpus", lambda: "hidden")
+    monkeypatch.setattr(gpu_module, "_ENVIRONMENT_LIMIT", None)
+    return cuda
+
+
+def test_torch_sets_the_fraction_and_restores_the_previous_one(torch_gpus, caplog):
+    with caplog.at_level(logging.INFO, logger="keras_tfr.gpu"):
+        with limit_gpu_memory(1024, devices=[1]) as gpu:
+            assert torch_gpus.calls == [("set", 1, 0.125)]  # 1024 of 8192 MiB
+            torch_gpus.reserved[1] = 700 << 20
+            assert gpu.peak_mb == 700
+        torch_gpus.reserved[1] = 0
+    assert torch_gpus.calls[1:] == [("reset", 1), ("set", 1, 0.9)]  # the previous value
+    assert gpu.devices == ["GPU:1"] and gpu.limit_mb == 1024 and gpu.total_mb == [8192]
+    assert gpu.peak_mb == 700  # the block's peak, kept after the reset
+    assert [r.getMessage() for r in caplog.records if r.name == "keras_tfr.gpu"] == [
+        "limit_gpu_memory: torch on GPU:1: limit 1024 MiB, peak 700 MiB, device total "
+        "8192 MiB; TensorFlow GPUs: hidden"
+    ]
+    with pytest.raises(ValueError, match=r"index the 2 GPU\(s\) visible to torch"):
+        limit_gpu_memory(1024, devices=[2])
+
+
+def test_torch_growth_lifts_the_environment_cap_until_the_block_ends(torch_gpus):
+    gpu_module._apply_environment_limit(None, 0.25)
+    assert torch_gpus.fractions == {0: 0.25, 1: 0.25}
+    with limit_gpu_memory(growth=True) as gpu:
+        assert torch_gpus.fractions == {0: 1.0, 1: 1.0} and gpu.limit_mb is None
+    assert torch_gpus.fractions == {0: 0.25, 1: 0.25}
 
 
 def test_limit_per_device_from_megabytes_or_fraction():

@@ -192,6 +192,187 @@ def test_limit_gpu_memory_applies_it(fresh, monkeypatch, backend):
     )
 
 
+# -- the TensorFlow backend's cap, over made-up GPUs -----------------------------------------
+
+_MIB = 1 << 20
+
+
+class FakeGpus:
+    """TensorFlow's GPU memory calls over made-up GPUs, with TensorFlow's rules
+    (``tensorflow/python/eager/context.py``): a repeat of the current setting is accepted,
+    a change after the runtime started is refused, and memory growth is refused on a GPU
+    with a logical device configuration, even before the runtime starts."""
+
+    def __init__(self, gpus: int = 2, hidden: tuple[int, ...] = (), started: bool = False):
+        import tensorflow as tf
+
+        self.gpus = [
+            tf.config.PhysicalDevice(name=f"/physical_device:GPU:{i}", device_type="GPU")
+            for i in range(gpus)
+        ]
+        self.visible = [g for i, g in enumerate(self.gpus) if i not in hidden]
+        self.logical: dict = {}
+        self.growth: dict = {}
+        self.started = started
+        self.peaks: dict[str, int] = {}
+        self.calls: list[tuple] = []
+
+    def list_physical_devices(self, device_type=None):
+        assert device_type == "GPU"
+        return list(self.gpus)
+
+    def get_visible_devices(self, device_type=None):
+        assert device_type == "GPU"
+        return list(self.visible)
+
+    def set_logical_device_configuration(self, device, logical_devices):
+        self.calls.append(("logical", device.name[-5:], [c.memory_limit for c in logical_devices]))
+        if self.logical.get(device) == logical_devices:
+            return
+        if self.started:
+            raise RuntimeError("Virtual devices cannot be modified after being initialized")
+        self.logical[device] = logical_devices
+
+    def get_logical_device_configuration(self, device):
+        return self.logical.get(device)
+
+    def set_memory_growth(self, device, enable):
+        self.calls.append(("growth", device.name[-5:], enable))
+        if device in self.logical:
+            raise ValueError("Cannot set memory growth on device when virtual devices configured")
+        if self.growth.get(device) == enable:
+            return
+        if self.started:
+            raise RuntimeError("Physical devices cannot be modified after being initialized")
+        self.growth[device] = enable
+
+    def get_memory_growth(self, device):
+        return self.growth.get(device)
+
+    def get_memory_info(self, device):
+        return {"current": 0, "peak": self.peaks.get(device, 0)}
+
+    def reset_memory_stats(self, device):
+        self.calls.append(("reset", device))
+
+
+@pytest.fixture
+def tf_gpus(fresh, monkeypatch):
+    """Makes TensorFlow the backend; ``tf_gpus(...)`` installs a `FakeGpus` and the
+    driver's totals (MiB per GPU, or None: no driver answer)."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(gpu_module, "_keras_backend", lambda: "tensorflow")
+    monkeypatch.setattr(gpu_module, "_ENVIRONMENT_LIMIT", None)
+    monkeypatch.setattr(gpu_module, "_JAX_SET", {})
+    for name in gpu_module._JAX_VARIABLES:
+        monkeypatch.setenv(name, "")  # so that teardown restores it, or its absence
+        monkeypatch.delenv(name)
+
+    def install(totals=(16384, 8192), **kwargs) -> FakeGpus:
+        fake = FakeGpus(**kwargs)
+        for name in (
+            "list_physical_devices",
+            "get_visible_devices",
+            "set_logical_device_configuration",
+            "get_logical_device_configuration",
+        ):
+            monkeypatch.setattr(tf.config, name, getattr(fake, name))
+        for name in ("set_memory_growth", "get_memory_growth", "get_memory_info"):
+            monkeypatch.setattr(tf.config.experimental, name, getattr(fake, name))
+        monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", fake.reset_memory_stats)
+        monkeypatch.setattr(
+            gpu_module, "_cuda_device_totals_mb", lambda: None if totals is None else list(totals)
+        )
+        return fake
+
+    return install
+
+
+def test_tensorflow_one_logical_device_per_gpu(tf_gpus):
+    fake = tf_gpus()
+    gpu = limit_gpu_memory(1024)
+    assert fake.calls == [("logical", "GPU:0", [1024]), ("logical", "GPU:1", [1024])]
+    assert gpu.devices == ["GPU:0", "GPU:1"] and gpu.total_mb == [16384, 8192]
+    assert gpu.limit_mb == 1024 and gpu.tensorflow_gpus == "tensorflow-backend"
+
+
+def test_tensorflow_fraction_of_each_gpu_from_the_driver(tf_gpus):
+    fake = tf_gpus(totals=(16384, 8192))
+    gpu = limit_gpu_memory(fraction=0.25)
+    assert fake.calls == [("logical", "GPU:0", [4096]), ("logical", "GPU:1", [2048])]
+    assert gpu.limit_mb == 2048  # the smallest over the GPUs
+    tf_gpus(totals=None)
+    with pytest.raises(gpu_module.GpuMemoryError, match="Pass `megabytes` instead"):
+        limit_gpu_memory(fraction=0.25)
+
+
+def test_tensorflow_devices_by_physical_index_named_as_logical(tf_gpus):
+    # GPU:0 is hidden from TensorFlow, so physical GPU 2 is TensorFlow's logical GPU:1.
+    fake = tf_gpus(totals=(100, 200, 300), gpus=3, hidden=(0,))
+    gpu = limit_gpu_memory(50, devices=[2])
+    assert fake.calls == [("logical", "GPU:2", [50])]
+    assert gpu.devices == ["GPU:1"] and gpu.total_mb == [300]
+    with pytest.raises(ValueError, match=r"index the 3 GPU\(s\) visible to TensorFlow"):
+        limit_gpu_memory(50, devices=[3])
+
+
+def test_tensorflow_growth_applies_to_every_visible_gpu(tf_gpus):
+    fake = tf_gpus(gpus=3, hidden=(2,))
+    gpu = limit_gpu_memory(growth=True, devices=[0])
+    # TensorFlow requires one growth setting for all visible GPUs: `devices` cannot narrow it.
+    assert fake.calls == [("growth", "GPU:0", True), ("growth", "GPU:1", True)]
+    assert gpu.devices == ["GPU:0"] and gpu.limit_mb is None
+
+
+def test_tensorflow_peak_is_logged_then_reset(tf_gpus, caplog):
+    fake = tf_gpus()
+    with caplog.at_level("INFO", logger="keras_tfr.gpu"):
+        with limit_gpu_memory(1024) as gpu:
+            fake.peaks.update({"GPU:0": 300 * _MIB, "GPU:1": 700 * _MIB})
+            assert gpu.peak_mb == 700
+        fake.peaks.clear()  # as after the reset
+    assert fake.calls[2:] == [("reset", "GPU:0"), ("reset", "GPU:1")]
+    assert gpu.peak_mb == 700  # the block's peak, kept after the reset
+    assert [r.getMessage() for r in caplog.records if r.name == "keras_tfr.gpu"] == [
+        "limit_gpu_memory: tensorflow on GPU:0, GPU:1: limit 1024 MiB, peak 700 MiB, "
+        "device total 16384, 8192 MiB"
+    ]
+    assert fake.logical  # leaving the block does not lift TensorFlow's cap
+
+
+def test_tensorflow_no_gpu_ignores_devices(tf_gpus):
+    fake = tf_gpus(gpus=0, totals=None)
+    gpu = limit_gpu_memory(1024, devices=[5])
+    assert gpu.devices == [] and gpu.peak_mb is None and fake.calls == []
+
+
+def test_tensorflow_calls_after_the_environment_cap(tf_gpus, monkeypatch):
+    fake = tf_gpus()
+    monkeypatch.setattr(gpu_module, "_backend_is_settled", lambda: True)
+    monkeypatch.setenv(gpu_module.ENV_MEGABYTES, "512")
+    assert gpu_module._limit_from_environment().limit_mb == 512
+    assert [c for c in fake.calls if c[0] == "logical"][-2:] == [
+        ("logical", "GPU:0", [512]),
+        ("logical", "GPU:1", [512]),
+    ]
+    # Before TensorFlow starts, megabytes or fraction replace the limit...
+    assert limit_gpu_memory(256).limit_mb == 256
+    assert [c[0].memory_limit for c in fake.logical.values()] == [256, 256]
+    # ...but TensorFlow refuses memory growth on a GPU with a limit.
+    with pytest.raises(gpu_module.GpuMemoryError) as error:
+        limit_gpu_memory(growth=True)
+    assert str(error.value).startswith(
+        "`growth=True` cannot apply to /physical_device:GPU:0: it already has a memory "
+        "limit ([256] MiB), from an earlier limit_gpu_memory call or the environment "
+        "variable KERAS_TFR_GPU_MEMORY_MB/KERAS_TFR_GPU_MEMORY_FRACTION."
+    )
+    fake.started = True  # once TensorFlow started, no change at all
+    assert limit_gpu_memory(256).limit_mb == 256  # the same setting is accepted
+    with pytest.raises(gpu_module.GpuMemoryError, match="TensorFlow already initialized"):
+        limit_gpu_memory(128)
+
+
 # -- the entry points call it before they run TensorFlow ----------------------------------
 
 
