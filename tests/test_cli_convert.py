@@ -3,19 +3,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _serve import serving
 
 from keras_tfr.cli import data, main
 from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
@@ -338,26 +337,10 @@ def test_bench_no_shuffle_reads_in_written_order(make_dataset, monkeypatch, caps
 # -------------------------------------------------------------------------- serve
 
 
-@contextlib.contextmanager
 def _serving(*args):
-    """Starts ``keras-tfr serve ARGS``; yields it and its lines up to "serving"; kills it
-    if it still runs at the end."""
+    """``keras-tfr serve ARGS``, up to its "serving" line (`_serve.serving`)."""
     cmd = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "keras_tfr.cli"]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.Popen(
-        [*cmd, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        lines: list[str] = []
-        while not lines or not lines[-1].startswith("serving"):
-            line = proc.stdout.readline()
-            assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
-            lines.append(line.strip())
-        yield proc, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
+    return serving([*cmd, "serve", *args])
 
 
 def _terminate(proc) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -17,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
+from _serve import serving
 
 from keras_tfr import TFRecordSequenceSource
 from keras_tfr.distribute import start_service
@@ -223,25 +223,6 @@ def test_service_values_are_bit_exact(make_dataset, service_cluster):
     assert np.concatenate(xs)[order].tobytes() == x.tobytes()
 
 
-@contextlib.contextmanager
-def _serving(cmd):
-    """Starts ``cmd`` (a `keras-tfr serve`), yields it and its lines up to "serving"; kills
-    it if it is still running at the end."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        lines = []
-        while not lines or not lines[-1].startswith("serving"):
-            line = proc.stdout.readline()
-            assert line, f"serve exited early: {proc.stderr.read()[-2000:]}"
-            lines.append(line.strip())
-        yield proc, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _interrupt(proc):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)  # `serve` waits at most 10 s for the servers
@@ -252,7 +233,7 @@ def _interrupt(proc):
 @pytest.mark.subprocess
 def test_serve_command_starts_a_cluster_and_stops_on_interrupt(ids_dataset):
     cmd = [sys.executable, "-m", "keras_tfr.cli", "serve", "--workers", "2", "--port", "0"]
-    with _serving(cmd) as (proc, lines):
+    with serving(cmd) as (proc, lines):
         target = lines[0].split(": ", 1)[1]
         assert target.startswith("grpc://localhost:")
         assert sum(line.startswith("worker: ") for line in lines) == 2
@@ -278,7 +259,7 @@ _INHERIT = (
 def test_serve_stops_on_ctrl_c_that_its_parent_blocked_or_ignored(how):
     """Both survive `exec` (a shell's background job ignores SIGINT; in full runs of the
     suite `serve` was started with one or the other, and never stopped)."""
-    with _serving([sys.executable, "-c", _INHERIT, how]) as (proc, _):
+    with serving([sys.executable, "-c", _INHERIT, how]) as (proc, _):
         _interrupt(proc)
 
 
