@@ -8,6 +8,8 @@ samples, so the per-element overhead of tf.data is paid once per block. Stage by
 1. shard list from the manifest (a seeded permutation each epoch when shuffling);
 2. parallel interleave of `TFRecordDataset` readers, one per shard; a record's index (and
    so its byte offset) is known, so a damaged record is reported with file and offset;
+   on a fixed layout every non-payload byte of each record is checked against the
+   manifest's layout as it is read (`GraphReader._layout_check`);
 3. the validation split keeps or drops whole records (`keras_tfr.read.order.block_split`);
 4. shuffle: a buffer of records sized in bytes (a quarter of ``shuffle_memory``);
 5. pools of records are parsed with one batched `parse_example` (or cut by offset when
