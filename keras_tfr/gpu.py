@@ -528,6 +528,9 @@ class _ThenApply:
         self.loader = loader
         self.name = name
 
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: the loader's
+        return getattr(self.loader, name)
+
     def create_module(self, spec: Any) -> Any:
         create = getattr(self.loader, "create_module", None)
         return None if create is None else create(spec)

@@ -254,7 +254,12 @@ def test_backend_asks_keras_once_imported(keras_settings, monkeypatch):
 
 @pytest.fixture
 def waiting(monkeypatch):
-    """The environment's cap waiting in `_WhenImported`; what would apply is recorded."""
+    """The environment's cap waiting in `_WhenImported`; what would apply is recorded.
+    Keras and TensorFlow are imported first, so that only the test's own calls fire it
+    (a first real import, as by the `no_gpu` fixture, would apply it)."""
+    import keras  # noqa: F401
+    import tensorflow  # noqa: F401
+
     applied = []
     monkeypatch.setattr(gpu_module, "_apply_environment_limit", lambda *cap: applied.append(cap))
     gpu_module._WhenImported.install(512, None)
