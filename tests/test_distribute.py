@@ -142,6 +142,19 @@ def test_distribute_source_passes_check_files_to_its_manifest(ids_dataset):
     assert distribute_source(strategy, ids_dataset, 8, check_files=False) is not None
 
 
+@pytest.mark.parametrize("batch_size", [6, 2])
+def test_distribute_source_needs_a_batch_that_divides_by_the_replicas(tmp_path, batch_size):
+    """docs/scaling.md: the global batch must divide by `num_replicas_in_sync`; said
+    before the data set is opened (here it does not even exist)."""
+    import types
+
+    from keras_tfr.distribute import distribute_source
+
+    strategy = types.SimpleNamespace(num_replicas_in_sync=4)  # 4 replicas, no devices needed
+    with pytest.raises(ValueError, match=rf"multiple of the 4 replicas.*Received: {batch_size}"):
+        distribute_source(strategy, str(tmp_path / "missing"), batch_size)
+
+
 # ----------------------------------------------------------------- tf.data service
 
 
