@@ -211,3 +211,46 @@ def test_corrupt_record_patch_is_left_out_outside_the_verified_keras_versions(mo
     monkeypatch.setattr(keras_errors, "keras_version", lambda: lo)
     assert keras_errors.install_corrupt_record_errors(lambda e: None) is True
     assert cls.catch_stop_iteration is not before
+
+
+class _FakeBaseTuner:
+    def __init__(self, hypermodel, objective=None, overwrite=False, directory=None):
+        self.hypermodel, self.overwrite, self.directory = hypermodel, overwrite, directory
+
+
+def test_base_tuner_patch_keeps_workers_from_overwriting_the_project():
+    """docs/tuning.md: only the chief may start the project afresh; a worker built with
+    ``overwrite=True`` (keyword or positional) would delete the trials of the others."""
+    import types
+
+    from keras_tfr._compat import tuner as compat_tuner
+
+    for worker in (True, False):
+        module = types.SimpleNamespace(
+            BaseTuner=type("BaseTuner", (_FakeBaseTuner,), {"__init__": _FakeBaseTuner.__init__})
+        )
+        built = []
+        compat_tuner.patch_base_tuner(module, lambda w=worker: w, built.append)
+        by_keyword = module.BaseTuner("hm", overwrite=True, directory="d")
+        by_position = module.BaseTuner("hm", "val_loss", True, "d")
+        for tuner in (by_keyword, by_position):
+            assert tuner.overwrite is (not worker), (worker, tuner.overwrite)
+            assert tuner.hypermodel == "hm" and tuner.directory == "d"
+        assert built == [by_keyword, by_position], "on_built gets every tuner built"
+
+
+def test_oracle_chief_patch_shortens_only_the_sleeps():
+    """docs/tuning.md: the chief's 20 s waits become `CHIEF_POLL_S`; the rest of `time`
+    is the real module."""
+    import time
+    import types
+
+    from keras_tfr._compat import tuner as compat_tuner
+
+    module = types.SimpleNamespace(time=time)
+    compat_tuner.patch_oracle_chief(module)
+    assert module.time is not time and compat_tuner.CHIEF_POLL_S == 0.5
+    start = time.monotonic()
+    module.time.sleep(20)
+    assert time.monotonic() - start < 5
+    assert abs(module.time.time() - time.time()) < 1
