@@ -208,9 +208,15 @@ def test_without_fail_fast_the_others_finish(caplog):
 _CHILD = """
 import os, signal, sys, time, pathlib
 here = pathlib.Path(sys.argv[1])
-if sys.argv[3] == "ignore":
+if sys.argv[3] in ("ignore", "grandchild"):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[3] == "grandchild":  # a process of its own that ignores the signals too
+    import subprocess
+    grand = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+    (here / f"grandchild-{sys.argv[2]}").write_text(str(grand.pid))
 (here / f"pid-{sys.argv[2]}").write_text(str(os.getpid()))
 print("ready", flush=True)
 try:
@@ -277,6 +283,36 @@ def test_children_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_p
     assert "did not stop; killing it" in err
     assert "[0] was stopped by SIGKILL" in err
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path):
+    """docs/gpu.md: children still running at a second Ctrl-C are killed, without waiting
+    for the grace period."""
+    proc, pids = _start_launcher(tmp_path, 2, behaviour="ignore", grace="60")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert proc.poll() is None, "still waiting for the children"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert time.monotonic() - start < 30, "the second Ctrl-C did not cut the 60 s grace"
+    assert "[0] was stopped by SIGKILL" in err and "[1] was stopped by SIGKILL" in err
+    assert not any(_alive(p) for p in pids)
+
+
+def test_children_are_killed_with_their_own_child_processes(tmp_path):
+    """docs/gpu.md: a child killed after the grace period goes with its own children."""
+    proc, pids = _start_launcher(tmp_path, 2, behaviour="grandchild", grace="0.5")
+    grand = [int((tmp_path / f"grandchild-{i}").read_text()) for i in range(2)]
+    assert all(_alive(g) for g in grand)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    deadline = time.monotonic() + 10
+    while any(_alive(g) for g in grand + pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(g) for g in grand + pids), "a grandchild outlived the launcher"
 
 
 # -- the subcommand ----------------------------------------------------------------------
