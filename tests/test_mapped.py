@@ -273,8 +273,9 @@ def test_x_alone_comes_as_one_tensor_whatever_the_batch_dimension(
     assert np.array_equal(got.view(np.uint32), x[: len(got)].view(np.uint32))
 
 
-@pytest.mark.parametrize("verify, checks", [("first_read", 1), ("every_epoch", 3)])
+@pytest.mark.parametrize("verify, checks", [(None, 1), ("first_read", 1), ("every_epoch", 3)])
 def test_each_record_is_checked_once_or_every_epoch(data, monkeypatch, verify, checks):
+    """``verify=None``: the argument left out, whose default is "first_read"."""
     d, _, _ = data
     calls = []
     original = mapped.MappedPlan._check_record
@@ -284,7 +285,9 @@ def test_each_record_is_checked_once_or_every_epoch(data, monkeypatch, verify, c
         return original(self, record)
 
     monkeypatch.setattr(mapped.MappedPlan, "_check_record", counting)
-    src = TFRecordSequenceSource(d, batch_size=10, seed=0, verify=verify)
+    kwargs = {} if verify is None else {"verify": verify}
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0, **kwargs)
+    assert src.access == "samples"
     for _ in range(3):
         _epoch(src)
     records = src.manifest.total_records

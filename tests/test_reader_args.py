@@ -1,7 +1,7 @@
 """The reader's arguments: every bad value refused by `SourceOptions` with an error that
 names the argument, before the directory is opened; the defaults the README and
 docs/reliability.md state are the signature's; block mode's split needs 2 records while
-sample mode splits a single one; and `verify` checks each record once by default."""
+sample mode splits a single one. (`verify`'s default: tests/test_mapped.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.errors import ManifestError
 from keras_tfr.manifest import Manifest
-from keras_tfr.read import mapped
 from keras_tfr.read.options import SourceOptions
 
 ROOT = Path(__file__).parent.parent
@@ -186,28 +185,3 @@ def test_block_split_needs_two_records_sample_split_does_not(tmp_path, monkeypat
 
 
 # ------------------------------------------------------------------ verify's default
-
-
-@pytest.mark.parametrize("width, spr", [(7, 9), (64, 60)])  # plain layout, lattice
-def test_verify_default_checks_each_record_once(tmp_path, monkeypatch, width, spr):
-    monkeypatch.delenv("KERAS_TFR_READER", raising=False)
-    d = str(tmp_path / "ds")
-    x = np.random.default_rng(0).standard_normal((200, width)).astype(np.float32)
-    m = ArraysToRecords.from_arrays(
-        x, np.arange(200), d, samples_per_record=spr, min_shards=2, verbose=0
-    )
-    assert (m.lattice is not None) == (spr == 60)
-    calls = []
-    original = mapped.MappedPlan._check_record
-
-    def counting(self, record):
-        calls.append(record)
-        return original(self, record)
-
-    monkeypatch.setattr(mapped.MappedPlan, "_check_record", counting)
-    src = TFRecordSequenceSource(d, batch_size=16, seed=0)  # no `verify=`
-    assert src.access == "samples"
-    for _ in range(3):
-        assert len(np.concatenate([by.numpy() for _, by in src])) == 200
-    assert len(calls) == m.total_records
-    assert sorted(calls) == list(range(m.total_records))
