@@ -208,6 +208,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self.corrupt_records = 0
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._clock = _EpochClock()
+        if opts.validation_split is not None and manifest.total_samples < 2:
+            raise ValueError(
+                f"`validation_split` needs at least 2 samples; {opts.directory} holds "
+                f"{manifest.total_samples}."
+            )
         if self._access == "samples":
             self._order: _order.SampleOrder | None = self._sample_plan()
         else:
@@ -471,11 +476,6 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 batch_size=opts.batch_size,
             )
 
-        if opts.validation_split is not None and m.total_samples < 2:
-            raise ValueError(
-                f"`validation_split` needs at least 2 samples; {opts.directory} holds "
-                f"{m.total_samples}."
-            )
         order = share(opts.worker_index)
         self._num_samples = order.size
         if opts.num_workers is None:
@@ -501,11 +501,24 @@ class TFRecordSequenceSource(tf.data.Dataset):
         if m.total_records:
             counts[-1] = m.total_samples - (m.total_records - 1) * m.samples_per_record
         keep = None
+        self._sample_keep: np.ndarray | None = None
         if opts.validation_split is not None:
             assert opts.subset is not None and opts.seed is not None
-            keep = _order.block_split(
-                m.total_records, opts.validation_split, opts.subset, opts.seed, opts.directory
-            )
+            if (
+                m.total_records <= _order.SAMPLE_SPLIT_RECORDS
+                and m.total_samples <= _order.SAMPLE_SPLIT_SAMPLES
+            ):
+                self._sample_keep = _order.sample_split(
+                    m.total_samples, opts.validation_split, opts.subset, opts.seed
+                )
+                # Samples of the subset per record; records without any are not read.
+                starts = np.arange(0, m.total_samples, m.samples_per_record)
+                counts = np.add.reduceat(self._sample_keep, starts).astype(np.int64)
+                keep = counts > 0
+            else:
+                keep = _order.block_split(
+                    m.total_records, opts.validation_split, opts.subset, opts.seed, opts.directory
+                )
         self._num_samples = int(counts.sum() if keep is None else counts[keep].sum())
         self._pad_batches = 0
         self._rows = self._num_samples
@@ -549,6 +562,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             manifest=self._manifest,
             specs=self._specs,
             keep=self._keep,
+            sample_keep=self._sample_keep,
             shuffle=opts.shuffle,
             seed=opts.seed,
             deterministic=deterministic,

@@ -177,6 +177,23 @@ def test_service_distributed_epoch_delivers_each_sample_once(ids_dataset, servic
         assert sizes[:-1] == [7] * (len(sizes) - 1)
 
 
+def test_service_splits_a_small_data_set_by_sample(ids_dataset, service_cluster):
+    """The service's workers run block mode's split by sample: the same subsets as a
+    local source's."""
+    kw = dict(batch_size=7, seed=2, validation_split=0.3)
+    got = {}
+    for subset in ("training", "validation"):
+        local = TFRecordSequenceSource(ids_dataset, subset=subset, access="blocks", **kw)
+        remote = TFRecordSequenceSource(
+            ids_dataset, subset=subset, service=service_cluster.target, **kw
+        )
+        ids, _ = _ids(remote)
+        assert sorted(ids) == sorted(_ids(local)[0])
+        got[subset] = ids
+    assert len(got["validation"]) == int(0.3 * N)
+    assert sorted(got["training"] + got["validation"]) == list(range(N))
+
+
 def test_set_epoch_on_the_service_says_it_has_no_effect(ids_dataset, service_cluster, caplog):
     """README: on the tf.data service the workers draw each iterator's order."""
     source = TFRecordSequenceSource(

@@ -164,24 +164,29 @@ def test_readme_states_the_writer_chunk_size_default():
 
 
 @pytest.mark.parametrize("n", [23, 3])
-def test_block_split_needs_two_records_sample_split_does_not(tmp_path, monkeypatch, n):
+def test_one_record_splits_alike_in_both_modes(tmp_path, monkeypatch, n):
     monkeypatch.delenv("KERAS_TFR_READER", raising=False)
     d = str(tmp_path / "one")
     x = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
     y = np.arange(n, dtype=np.int64)
     ArraysToRecords.from_arrays(x, y, d, samples_per_record=64, min_shards=1, verbose=0)
     assert Manifest.load(d).total_records == 1
-    with pytest.raises(ValueError, match=r"access='blocks'.*needs at least 2.*holds 1"):
-        TFRecordSequenceSource(d, batch_size=4, access="blocks", **SPLIT)
-    got = {}
-    for subset in ("training", "validation"):
-        src = TFRecordSequenceSource(d, batch_size=4, **dict(SPLIT, subset=subset))
-        assert src.access == "samples"
-        got[subset] = np.concatenate([by.numpy() for _, by in src])
+    got: dict = {}
+    for access in ("samples", "blocks"):
+        for subset in ("training", "validation"):
+            src = TFRecordSequenceSource(
+                d, batch_size=4, access=access, **{**SPLIT, "subset": subset}
+            )
+            assert src.access == access
+            got[access, subset] = np.sort(np.concatenate([by.numpy() for _, by in src]))
     n_val = max(1, int(0.2 * n))
-    assert len(got["validation"]) == n_val
-    assert len(got["training"]) == n - n_val
-    assert sorted(np.concatenate(list(got.values()))) == list(range(n))
+    assert len(got["samples", "validation"]) == n_val
+    assert len(got["samples", "training"]) == n - n_val
+    assert sorted(
+        np.concatenate([got["samples", "training"], got["samples", "validation"]])
+    ) == list(range(n))
+    for subset in ("training", "validation"):  # the very same samples
+        assert np.array_equal(got["blocks", subset], got["samples", subset])
 
 
 # ------------------------------------------------------------------ verify's default

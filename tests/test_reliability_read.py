@@ -308,7 +308,24 @@ def test_skip_stops_past_the_limit(dataset, reader):
 
 def test_skip_with_shuffle_and_validation_split(dataset, reader):
     """Skipping keeps each subset's step count, passes on only good samples of that
-    subset (fills never leak the other subset's samples) and loses only what it must."""
+    subset (fills never leak the other subset's samples) and loses only what it must.
+    (Block mode splits this small data set by sample.)"""
+    _skip_with_split(dataset, reader)
+
+
+@pytest.mark.parametrize("reader", ["graph"], indirect=True)
+def test_skip_with_a_split_by_record(dataset, reader, monkeypatch):
+    """The same in block mode on a data set it splits by whole records."""
+    from keras_tfr.read import order
+
+    monkeypatch.setattr(order, "SAMPLE_SPLIT_RECORDS", 10)
+    seen = _skip_with_split(dataset, reader)
+    for ids in seen.values():  # whole records on each side
+        records = {i // SPR for i in ids}
+        assert len(ids) == SPR * len(records)
+
+
+def _skip_with_split(dataset, reader):
     d, x, _, m = dataset
     _flip(os.path.join(d, m.shards[3].file), 2 * _frame(m) + 20)
     record = 3 * RECORDS_PER_SHARD + 2  # global index of the damaged record
@@ -339,6 +356,7 @@ def test_skip_with_shuffle_and_validation_split(dataset, reader):
         seen[subset] = ids
     assert not seen["training"] & seen["validation"]
     assert seen["training"] | seen["validation"] == set(range(N)) - lost
+    return seen
 
 
 @pytest.mark.parametrize("reader", ["mapped", "mapped-tf.data"], indirect=True)  # samples

@@ -93,6 +93,22 @@ def test_lengths_that_differ_are_refused_before_writing(tmp_path, kwargs, names)
     assert not os.path.exists(d), "validated before the directory was touched"
 
 
+def test_a_list_of_varying_lengths_gets_a_short_error_with_the_hint(tmp_path):
+    """1,000 sequences given as a list read as 1,000 inputs (Keras' reading of a list):
+    the error names a few of them, not all, and says how to write sequences."""
+    rng = np.random.default_rng(0)
+    seqs = [np.zeros((int(rng.integers(1, 9)), 5), np.float32) for _ in range(1000)]
+    d = str(tmp_path / "ds")
+    with pytest.raises(ValueError, match="same number of samples") as e:
+        ArraysToRecords.from_arrays(seqs, np.zeros(1000), d, verbose=0)
+    message = str(e.value)
+    assert "x/0: " in message and "(1001 in all)" in message and "x/999" not in message
+    assert "variable_length=['x']" in message
+    assert len(message) < 400
+    assert not os.path.exists(d)
+    ArraysToRecords.from_arrays(seqs, np.zeros(1000), d, variable_length=["x"], verbose=0)
+
+
 def _objects(*items):
     """A 1-D object array holding ``items`` as they are (NumPy would stack equal arrays)."""
     out = np.empty(len(items), dtype=object)

@@ -80,3 +80,110 @@ def test_class_sorted_shuffle_mixes_every_batch(sorted_classes):
             full = [b[1].numpy() for b in s if b[1].shape[0] == 256]
             skewed = [np.bincount(ys, minlength=10).max() / 256 > 0.2 for ys in full]
             assert np.mean(skewed) <= 0.05, np.mean(skewed)
+
+
+# ------------------------------------------------------------------ block mode
+
+
+def _subsets(d, **kw):
+    kw = {"batch_size": 32, "seed": 5, "validation_split": 0.2, **kw}
+    return {
+        subset: TFRecordSequenceSource(d, subset=subset, **kw)
+        for subset in ("training", "validation")
+    }
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_block_mode_splits_a_small_data_set_by_sample_as_sample_mode_does(
+    tmp_path, compression, shuffle
+):
+    """1,003 samples written with defaults are one record: block mode (the default for
+    compressed shards) splits them by sample, and picks the very samples sample mode
+    picks for the same seed."""
+    n = 1003
+    x = np.random.default_rng(0).standard_normal((n, 7, 5)).astype(np.float32)
+    y = np.arange(n, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, d, compression=compression, verbose=0)
+    blocks = _subsets(d, shuffle=shuffle, access="blocks")
+    got = {}
+    for subset, src in blocks.items():
+        assert src.access == "blocks"
+        ys = []
+        for xb, yb in src:
+            assert np.array_equal(xb.numpy(), x[yb.numpy()])  # bit for bit, with its index
+            ys.append(yb.numpy())
+        got[subset] = np.concatenate(ys)
+        assert src.num_samples == len(got[subset])
+        assert len(src) == -(-len(got[subset]) // 32)
+    assert len(got["validation"]) == int(0.2 * n)
+    assert set(got["training"].tolist()).isdisjoint(got["validation"].tolist())
+    assert sorted(np.concatenate(list(got.values())).tolist()) == list(range(n))
+    if compression is None:
+        for subset, src in _subsets(d, shuffle=shuffle, access="samples").items():
+            assert np.array_equal(np.sort(_ys(src)), np.sort(got[subset]))
+    if shuffle:  # a new order each epoch, the same samples
+        again = _ys(blocks["training"])
+        assert not np.array_equal(again, got["training"])
+        assert np.array_equal(np.sort(again), np.sort(got["training"]))
+
+
+def test_block_mode_splits_small_variable_length_data_by_sample(tmp_path):
+    """Variable-length data read in block mode only; 1,003 sequences are one record."""
+    rng = np.random.default_rng(1)
+    n = 1003
+    seqs = [rng.standard_normal((int(rng.integers(1, 9)), 5)).astype(np.float32) for _ in range(n)]
+    y = np.arange(n, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(seqs, y, d, variable_length=["x"], verbose=0)
+    got = {}
+    for subset, src in _subsets(d, ragged="ragged").items():
+        assert src.access == "blocks"
+        ys = []
+        for xb, yb in src:
+            for row, label in zip(xb, yb.numpy()):
+                assert row.numpy().tobytes() == seqs[label].tobytes()
+            ys.append(yb.numpy())
+        got[subset] = np.concatenate(ys)
+    assert len(got["validation"]) == int(0.2 * n)
+    assert sorted(np.concatenate(list(got.values())).tolist()) == list(range(n))
+
+
+def test_block_mode_split_of_small_sorted_data_is_representative(tmp_path):
+    d = str(tmp_path / "ds")
+    y = np.repeat(np.arange(10, dtype=np.int32), 300)
+    ArraysToRecords.from_arrays(y[:, None].astype(np.float32), y, d, verbose=0)
+    src = TFRecordSequenceSource(
+        d, 64, seed=0, validation_split=0.1, subset="validation", access="blocks"
+    )
+    shares = np.bincount(_ys(src), minlength=10) / 300
+    assert np.all(np.abs(shares - 0.1) <= 0.03), shares
+
+
+def test_block_mode_small_split_with_worker_shares(tmp_path):
+    """Per-worker shares (whole records) of a split by sample cover the subset once."""
+    n = 600
+    d = str(tmp_path / "ds")
+    y = np.arange(n, dtype=np.int64)
+    ArraysToRecords.from_arrays(y.astype(np.float32), y, d, samples_per_record=50, verbose=0)
+    kw = dict(access="blocks", shuffle=False)
+    whole = np.sort(_ys(_subsets(d, **kw)["training"]))
+    shares = [_ys(_subsets(d, num_workers=3, worker_index=w, **kw)["training"]) for w in range(3)]
+    assert np.array_equal(np.sort(np.concatenate(shares)), whole)
+    assert len(whole) == n - int(0.2 * n)
+
+
+def test_block_mode_splits_a_larger_data_set_by_record(tmp_path):
+    """Past 64 records, block mode assigns whole records (every record is on one side)."""
+    spr, records = 10, 80
+    n = spr * records
+    d = str(tmp_path / "ds")
+    y = np.arange(n, dtype=np.int64)
+    ArraysToRecords.from_arrays(y.astype(np.float32), y, d, samples_per_record=spr, verbose=0)
+    got = {k: _ys(s) for k, s in _subsets(d, access="blocks", shuffle=False).items()}
+    assert sorted(np.concatenate(list(got.values())).tolist()) == list(range(n))
+    val_records = set((got["validation"] // spr).tolist())
+    assert len(val_records) == round(0.2 * records)
+    assert len(got["validation"]) == spr * len(val_records)  # whole records
+    assert val_records.isdisjoint((got["training"] // spr).tolist())

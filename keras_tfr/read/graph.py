@@ -10,7 +10,9 @@ samples, so the per-element overhead of tf.data is paid once per block. Stage by
    so its byte offset) is known, so a damaged record is reported with file and offset;
    on a fixed layout every non-payload byte of each record is checked against the
    manifest's layout as it is read (`GraphReader._layout_check`);
-3. the validation split keeps or drops whole records (`keras_tfr.read.order.block_split`);
+3. the validation split keeps or drops whole records (`keras_tfr.read.order.block_split`),
+   or, for a small data set, single samples (`keras_tfr.read.order.sample_split`: the
+   samples sample mode would pick, dropped from each pool as it is decoded);
 4. shuffle: a buffer of records sized in bytes (a quarter of ``shuffle_memory``);
 5. pools of records are parsed with one batched `parse_example` (or cut by offset when
    every record has the fixed layout), decoded with one `decode_raw` and a zero-copy
@@ -71,10 +73,12 @@ class GraphReader:
         report_skip: Callable[..., bool],
         service: tuple[str, str, str | None] | None,
         fill_steps: int | None = None,
+        sample_keep: np.ndarray | None = None,
     ):
         self.manifest = manifest
         self.specs = specs
         self.keep = keep
+        self.sample_keep = sample_keep
         self.shuffle = shuffle
         self.seed = seed
         self.deterministic = deterministic
@@ -141,6 +145,9 @@ class GraphReader:
             shards = shards.shuffle(len(files), seed=op_seed(1), reshuffle_each_iteration=True)
 
         keep = None if self.keep is None else tf.constant(self.keep)
+        # A split by sample: the subset's samples are picked out of each decoded pool, by
+        # written index (the record's number times `spr`, plus the sample's place in it).
+        sample_keep = None if self.sample_keep is None else tf.constant(self.sample_keep)
         compression = m.compression or ""
 
         # Every full record of a fixed-layout data set has the same size and only the data
@@ -174,7 +181,7 @@ class GraphReader:
                     )
                 return tf.cond(tf.strings.length(record) > 0, keep_it, at_end)
 
-            return indexed.filter(keep_record)
+            return indexed.filter(keep_record).map(lambda i, r: (first_record + i, r))
 
         def read_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             if fixed_layout:
@@ -201,7 +208,7 @@ class GraphReader:
             )
             if keep is not None:
                 scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
-            return scanned.map(lambda i, r, e, ok: (i, r))
+            return scanned.map(lambda i, r, e, ok: (first_record + i, r))
 
         cycle = self.num_parallel_reads or min(8, max(2, os.cpu_count() or 2))
         cycle = max(1, min(cycle, len(files)))
@@ -229,7 +236,7 @@ class GraphReader:
             )
 
         pool_records = max(1, self.pool_bytes // record_bytes)
-        records = records.batch(pool_records).map(lambda _, r: r)  # drop the indices
+        pools_in = records.batch(pool_records)  # (record numbers, records)
 
         feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
         feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
@@ -249,7 +256,17 @@ class GraphReader:
         if fixed_layout and not variable_specs:
             fast_decode = _fixed_layout_decoder(specs, spr, m, parse_pool)
 
-        def decode_pool(serialized: Any, rand: Any) -> Any:
+        def picked(numbers: Any, counts_: Any, variable: dict) -> tuple[Any, dict]:
+            """The pool's samples of this subset (``sample_keep``): their places among
+            the pool's ``[records * spr]`` rows, in written order, and the variable
+            features' samples at those places."""
+            places = tf.where(tf.reshape(tf.sequence_mask(counts_, spr), [-1]))[:, 0]
+            written = tf.gather(numbers, places // spr) * spr + places % spr
+            wanted = tf.gather(sample_keep, written)
+            chosen = tf.where(wanted)[:, 0]  # among the pool's samples
+            return tf.gather(places, chosen), {k: tf.gather(v, chosen) for k, v in variable.items()}
+
+        def decode_pool(serialized: Any, numbers: Any, rand: Any) -> Any:
             if fast_decode is not None:
                 decoded, counts_ = fast_decode(serialized)
                 variable = {}
@@ -261,12 +278,15 @@ class GraphReader:
                     s.key: tf_decode_variable(parsed[s.key], parsed[s.lengths_key], s)
                     for s in variable_specs
                 }
+            if sample_keep is not None:
+                idx, variable = picked(numbers, counts_, variable)
+            elif shuffle and has_short_record:
+                idx = tf.where(tf.reshape(tf.sequence_mask(counts_, spr), [-1]))[:, 0]
+            elif shuffle:
+                idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
+            else:
+                idx = None  # the pool's rows as they are
             if shuffle:
-                if has_short_record:
-                    valid = tf.reshape(tf.sequence_mask(counts_, spr), [-1])
-                    idx = tf.where(valid)[:, 0]
-                else:
-                    idx = tf.range(tf.shape(counts_, out_type=tf.int64)[0] * spr)
                 if variable:
                     # The same permutation as stateless_shuffle(idx), applied to both.
                     perm = tf.random.experimental.stateless_shuffle(
@@ -276,6 +296,7 @@ class GraphReader:
                     variable = {k: tf.gather(v, perm) for k, v in variable.items()}
                 else:
                     idx = tf.random.experimental.stateless_shuffle(idx, seed=rand)
+            if idx is not None:
                 decoded = {k: tf.gather(v, idx) for k, v in decoded.items()}
             elif has_short_record:
                 n = tf.reduce_sum(counts_)
@@ -289,12 +310,16 @@ class GraphReader:
         if shuffle:
             rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
             rng = rng.batch(2)
-            pools = tf.data.Dataset.zip((records, rng)).map(
-                decode_pool, num_parallel_calls=decoders, deterministic=self.deterministic
+            pools = tf.data.Dataset.zip((pools_in, rng)).map(
+                lambda p, rand: decode_pool(p[1], p[0], rand),
+                num_parallel_calls=decoders,
+                deterministic=self.deterministic,
             )
         else:
-            pools = records.map(
-                lambda s: decode_pool(s, None), num_parallel_calls=decoders, deterministic=True
+            pools = pools_in.map(
+                lambda numbers, s: decode_pool(s, numbers, None),
+                num_parallel_calls=decoders,
+                deterministic=True,
             )
         if self.service is not None:
             # Reading, parsing and decoding run on the tf.data service workers; batches are

@@ -21,9 +21,12 @@ Sample mode (``access="samples"``, the default where random access is cheap):
   order is kinder to the page cache), as a memory-mapped array gathered by a sorted index
   would be.
 
-Block mode (``access="blocks"``: remote storage, compressed shards, the tf.data service)
-reads whole records in sequence; its split assigns whole records and its shuffle is the
-graph reader's (shards, a buffer of records, pools of samples). See `block_split`.
+Block mode (``access="blocks"``: remote storage, compressed shards, variable-length
+features, the tf.data service) reads whole records in sequence; its shuffle is the graph
+reader's (shards, a buffer of records, pools of samples). Its split assigns whole records
+(`block_split`), except on a small data set (up to `SAMPLE_SPLIT_RECORDS` records and
+`SAMPLE_SPLIT_SAMPLES` samples), which it splits by sample as sample mode does, the same
+samples on each side (`sample_split`): both subsets then read every record.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Permutation", "SampleOrder", "block_split", "validation_count"]
+__all__ = ["Permutation", "SampleOrder", "block_split", "sample_split", "validation_count"]
+
+# Block mode splits a data set of at most this many records (64 MB at the default record
+# size) and samples by sample: reading every record for both subsets costs little there,
+# and a split by record would be coarse (one record: none at all).
+SAMPLE_SPLIT_RECORDS = 64
+SAMPLE_SPLIT_SAMPLES = 1 << 22  # the mask of samples is a constant of the pipeline
 
 _U64, _U32 = np.uint64, np.uint32
 _ROUNDS = 6  # alternating halves: three rounds each
@@ -211,6 +220,22 @@ class SampleOrder:
     def epoch(self, epoch: int) -> np.ndarray:
         """All of the epoch's written indices in order (``size`` of them)."""
         return self.samples(epoch, 0, self.size)
+
+
+def sample_split(total: int, split: float, subset: str, seed: int) -> np.ndarray:
+    """Block mode's split of a small data set: a boolean mask over the ``total`` written
+    samples, True for the subset's; the very samples `SampleOrder` puts in it.
+
+    Example:
+        >>> int(sample_split(1003, 0.2, "validation", seed=0).sum())
+        200
+    """
+    order = SampleOrder(
+        total, seed=seed, validation_split=split, subset=subset, shuffle=False, batch_size=1
+    )
+    mask = np.zeros(total, dtype=bool)
+    mask[order.subset_samples(np.arange(order.size, dtype=np.int64))] = True
+    return mask
 
 
 def block_split(

@@ -225,9 +225,20 @@ def validate_batch(x: Any, y: Any, sample_weight: Any, variable: frozenset = fro
 def _check_lengths(specs: list[FeatureSpec], arrays: list[Any]) -> None:
     lengths = {s.key: int(a.shape[0]) for s, a in zip(specs, arrays)}
     if len(set(lengths.values())) > 1:
+        items = [f"{k}: {v}" for k, v in lengths.items()]
+        received = ", ".join(items[:6]) + (f", ... ({len(items)} in all)" if len(items) > 6 else "")
+        # A list of many arrays of different lengths is most likely samples of varying
+        # length, which Keras' reading of a list (several inputs) does not fit.
+        listed = {k.split("/")[0] for k in lengths if k.split("/")[-1].isdigit()}
+        hint = "".join(
+            f" A list is read as several inputs, one array each, as Keras reads it; for "
+            f"samples of varying length, pass `variable_length=[{role!r}]`."
+            for role in sorted(listed)
+            if sum(k.startswith(role + "/") for k in lengths) > 2
+        )
         raise ValueError(
             "Expected `x`, `y` and `sample_weight` to hold the same number of samples. "
-            f"Received: {', '.join(f'{k}: {v}' for k, v in lengths.items())}"
+            f"Received: {received}.{hint}"
         )
     if next(iter(lengths.values())) == 0:
         raise ValueError("Expected at least one sample. Received: empty arrays (0 samples).")
