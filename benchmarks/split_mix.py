@@ -1,10 +1,12 @@
 """Split and mixing on class-sorted data, sample mode against block mode.
 
 10 classes x 6,000 samples of 256 float32, sorted by class (as arrays built class by
-class are), written with default settings; ``validation_split=0.1``, batch 256. Prints,
-per mode, the validation subset's size and class shares, and the share of full training
-batches in which one class holds more than 20 % of the batch (a global shuffle gives
-about 0 %). `tests/test_split_shuffle.py` asserts the targets.
+class are), written with default settings (62 records of 1 MB); ``validation_split=0.1``,
+batch 256. Prints, per mode, the validation subset's size and class shares, and the share
+of full training batches in which one class holds more than 20 % of the batch (a global
+shuffle gives about 0 %). Block mode splits data sets of up to 64 records by sample, so
+it is also shown on the same data written in 512 KB records (122 records), which it
+splits by whole records. `tests/test_split_shuffle.py` asserts the targets.
 
 Usage::
 
@@ -28,11 +30,14 @@ def main() -> int:
     from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 
     with tempfile.TemporaryDirectory(prefix="keras-tfr-split-") as tmp:
-        d = os.path.join(tmp, "ds")
         y = np.repeat(np.arange(CLASSES, dtype=np.int32), PER_CLASS)
         x = y.astype(np.float32)[:, None] * np.ones(FEATURES, np.float32)
-        ArraysToRecords.from_arrays(x, y, d, verbose=0)
-        for access in ("samples", "blocks"):
+        written = {}
+        for record_size in ("1MB", "512KB"):
+            written[record_size] = d = os.path.join(tmp, record_size)
+            ArraysToRecords.from_arrays(x, y, d, record_size=record_size, verbose=0)
+        for access, record_size in (("samples", "1MB"), ("blocks", "1MB"), ("blocks", "512KB")):
+            d = written[record_size]
             kw = dict(batch_size=BATCH, seed=0, validation_split=SPLIT, access=access)
             va = TFRecordSequenceSource(d, subset="validation", shuffle=False, **kw)
             tr = TFRecordSequenceSource(d, subset="training", **kw)
@@ -41,7 +46,8 @@ def main() -> int:
             full = [b[1] for b in tr.as_numpy_iterator() if len(b[1]) == BATCH]
             skewed = np.mean([np.bincount(b, minlength=CLASSES).max() / BATCH > 0.2 for b in full])
             print(
-                f"access={access!r}: validation {len(yva):,} samples, "
+                f"access={access!r}, {va.manifest.total_records} records: validation "
+                f"{len(yva):,} samples, "
                 f"{np.count_nonzero(shares)} of {CLASSES} classes, shares "
                 f"{np.round(shares, 3).tolist()} (at most "
                 f"{np.abs(shares - 1 / CLASSES).max() * 100:.1f} points off); training "

@@ -83,9 +83,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         drop_remainder: drop the last, partial batch (the batch dimension of
             `element_spec` is then ``batch_size``, else None, as for `tf.data`'s ``batch``).
         validation_split: fraction (0 to 1) of the data reserved for validation. Sample
-            mode: ``int(validation_split * n)`` samples (at least one) drawn across the
-            whole data set; block mode: whole records. The subsets are disjoint and
-            together complete.
+            mode, and block mode on data sets of up to 64 records: ``int(validation_split
+            * n)`` samples (at least one) drawn across the whole data set, the same ones
+            in both modes. Block mode on larger data sets: whole records. The subsets are
+            disjoint and together complete.
         subset: ``"training"`` or ``"validation"``; required with ``validation_split``.
         access: ``"samples"`` reads single samples at random through memory-mapped
             shards (local, uncompressed, fixed-size features); ``"blocks"`` reads whole

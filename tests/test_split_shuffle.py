@@ -187,3 +187,26 @@ def test_block_mode_splits_a_larger_data_set_by_record(tmp_path):
     assert len(val_records) == round(0.2 * records)
     assert len(got["validation"]) == spr * len(val_records)  # whole records
     assert val_records.isdisjoint((got["training"] // spr).tolist())
+
+
+@pytest.mark.parametrize(
+    "n, spr, by_sample",
+    [(320, 5, True), (325, 5, False), ((1 << 22), 1 << 20, True), ((1 << 22) + 1, 1 << 20, False)],
+    ids=["64-records", "65-records", "4Mi-samples", "4Mi+1-samples"],
+)
+def test_block_mode_splits_by_sample_up_to_64_records_and_4mi_samples(tmp_path, n, spr, by_sample):
+    """README: block mode takes samples on data sets of up to 64 records and 4 million
+    (2**22) samples, whole records past either."""
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(
+        np.zeros((n, 1), np.uint8), directory=d, samples_per_record=spr, verbose=0
+    )
+    src = TFRecordSequenceSource(
+        d, 256, seed=0, validation_split=0.3, subset="validation", access="blocks"
+    )
+    by_records = {0, n % spr}  # whole records: the short last one or none of it
+    assert int(0.3 * n) % spr not in by_records  # the two meanings differ here
+    if by_sample:
+        assert src.num_samples == int(0.3 * n)
+    else:
+        assert src.num_samples % spr in by_records
