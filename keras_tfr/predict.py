@@ -86,7 +86,8 @@ def predict_to_records(
         raise TypeError(f"Expected `model` to be a Keras model. Received: {type(model).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"Expected `steps` to be a positive int or None. Received: {steps!r}")
-    if getattr(source, "_shuffle", False):
+    cfg = getattr(source, "_cfg", None)  # a TFRecordSequenceSource's options
+    if cfg is not None and cfg.shuffle:
         import logging
 
         logging.getLogger("keras_tfr").warning(

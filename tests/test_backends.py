@@ -17,11 +17,15 @@ from keras_tfr import ArraysToRecords
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, logging, sys
     import numpy as np
     import keras
     from keras_tfr import TFRecordSequenceSource
 
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("keras_tfr").addHandler(handler)
     d = sys.argv[1]
     keras.utils.set_random_seed(0)
     train = TFRecordSequenceSource(
@@ -40,12 +44,15 @@ SCRIPT = textwrap.dedent(
     pred = model.predict(x, verbose=0)
     xs = np.load(sys.argv[2])
     direct = keras.ops.convert_to_numpy(model(xs[:64]))
+    quiet = sum("predict reads" in m for m in said)
+    model.predict(TFRecordSequenceSource(d, batch_size=32, seed=0), verbose=0)
     print(json.dumps({
         "backend": keras.backend.backend(),
         "steps": [len(train), len(val)],
         "loss0": hist.history["loss"][0], "loss": hist.history["loss"][-1],
         "val_acc": float(acc), "pred_rows": int(pred.shape[0]),
         "pred_match": bool(np.allclose(pred[:64], direct, atol=1e-5)),
+        "shuffled_predict_said": [quiet, sum("predict reads" in m for m in said)],
     }))
     """
 )
@@ -86,6 +93,7 @@ def test_fit_evaluate_predict_under_each_backend(learnable, backend):
     assert res["val_acc"] > 0.85
     assert res["pred_rows"] == 1000
     assert res["pred_match"], "predict's rows are not the written samples in order"
+    assert res["shuffled_predict_said"] == [0, 1], "predict on a shuffling source logs once"
 
 
 ADAPTER_SCRIPT = textwrap.dedent(

@@ -114,3 +114,54 @@ def test_every_layout_bit_for_bit(make_dataset, tmp_path, small_xy):
     assert xb.numpy().tobytes() == x.tobytes()
     assert yd["predictions"].numpy().tobytes() == predicted.tobytes()
     assert yd["targets"].numpy().tobytes() == y.tobytes()
+
+
+def _warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_predict_on_a_shuffling_source_says_the_order_is_shuffled(make_dataset, small_xy, caplog):
+    """`model.predict(x)` on arrays keeps their order; on a source that shuffles (the
+    default) the predictions come shuffled, and the log says so, once per source. `fit`
+    and `evaluate` on the same source, and `predict` on a source with shuffle=False, log
+    nothing of it."""
+    x, y = small_xy
+    data = make_dataset(x, y, samples_per_record=4)
+    model = _teacher()
+    model.compile("sgd", "mse")
+    quiet = TFRecordSequenceSource(data, batch_size=8, shuffle=False)
+    shuffled = TFRecordSequenceSource(data, batch_size=8, seed=0)
+    zeros = make_dataset(x, np.zeros((34, 4), np.float32), name="targets")
+    targets = TFRecordSequenceSource(zeros, 8, seed=0)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        np.testing.assert_allclose(
+            model.predict(quiet, verbose=0), model.predict_on_batch(x), rtol=1e-6
+        )
+        model.fit(targets, epochs=1, verbose=0)
+        model.evaluate(targets, verbose=0)
+        assert not [m for m in _warnings_of(caplog) if "predict reads" in m]
+        out = model.predict(shuffled, verbose=0)
+        model.predict(shuffled, verbose=0)
+    said = [m for m in _warnings_of(caplog) if "predict reads" in m]
+    assert len(said) == 1, said
+    assert data in said[0] and "shuffle=False" in said[0]
+    expected = model.predict_on_batch(x)
+    assert not np.allclose(out, expected)  # the warning is about something real
+    np.testing.assert_allclose(np.sort(out, axis=0), np.sort(expected, axis=0), rtol=1e-6)
+
+
+def test_predict_to_records_on_a_shuffling_source_says_so(make_dataset, tmp_path, small_xy, caplog):
+    x, y = small_xy
+    data = make_dataset(x, y, samples_per_record=4)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        predict_to_records(
+            _teacher(),
+            TFRecordSequenceSource(data, 8, shuffle=False),
+            str(tmp_path / "a"),
+            verbose=0,
+        )
+        assert not [m for m in _warnings_of(caplog) if "shuffled" in m]
+        predict_to_records(
+            _teacher(), TFRecordSequenceSource(data, 8, seed=0), str(tmp_path / "b"), verbose=0
+        )
+    assert any("predict_to_records reads a shuffled source" in m for m in _warnings_of(caplog))

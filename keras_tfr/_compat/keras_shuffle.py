@@ -21,6 +21,12 @@ Private APIs used:
   own ``shuffle=`` and ``seed=`` arguments); for a `tf.data.Dataset` the flag has no
   other effect in the verified versions.
 
+The same wrapper logs a warning (once per source) when ``predict`` reads a source that
+shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator without
+``y=``, ``fit``'s and ``evaluate``'s with it, so an iterator made without ``y`` is
+``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
+arrays keeps theirs.
+
 ``EpochIterator.__init__`` is wrapped rather than ``get_data_adapter`` so that, for any
 other data, Keras' warning still points where it did (``stacklevel=2`` names the frame
 that called ``get_data_adapter``: Keras' own ``__init__``, not a keras-tfr wrapper).
@@ -143,14 +149,35 @@ def install_shuffle_warning_filter() -> bool:
         @functools.wraps(original)
         def __init__(*args: Any, **kwargs: Any) -> None:
             bound = signature.bind(*args, **kwargs)
-            if bound.arguments.get("shuffle") and _is_keras_tfr_source(bound.arguments.get("x")):
-                # The source shuffles itself; for a tf.data.Dataset Keras' `shuffle` only warns.
-                bound.arguments["shuffle"] = False
+            x = bound.arguments.get("x")
+            if _is_keras_tfr_source(x):
+                if bound.arguments.get("shuffle"):
+                    # The source shuffles itself; for a tf.data.Dataset Keras' `shuffle`
+                    # only warns.
+                    bound.arguments["shuffle"] = False
+                if "y" not in bound.arguments:  # `predict`: fit and evaluate pass y=
+                    _warn_shuffled_predict(x)
             original(*bound.args, **bound.kwargs)
 
         setattr(__init__, _MARK, True)
         iterator_class.__init__ = __init__
         return True
+
+
+def _warn_shuffled_predict(source: Any) -> None:
+    """``model.predict(source)`` on a source that shuffles: its predictions come in that
+    epoch's shuffled order, where ``predict`` on arrays keeps their order. Logged once per
+    source."""
+    if not source._cfg.shuffle or getattr(source, "_predict_warned", False):
+        return
+    source._predict_warned = True
+    log.warning(
+        "keras-tfr: predict reads %s with shuffle=True, so the predictions come in a "
+        "shuffled order (a new one on each call), not in the order the samples were "
+        "written. For predictions in written order, give predict a source made with "
+        "shuffle=False (source.replace(shuffle=False)).",
+        source._cfg.directory,
+    )
 
 
 def check_private_api() -> list[str]:
