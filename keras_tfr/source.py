@@ -163,11 +163,12 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
-        from keras_tfr._compat import keras_errors, keras_numpy, keras_shuffle
+        from keras_tfr._compat import keras_errors, keras_numpy, keras_shuffle, keras_split
 
         keras_errors.install_corrupt_record_errors(corrupt_record_error)
         keras_shuffle.install_shuffle_warning_filter()  # Keras' shuffle warning: wrong for a source
         keras_numpy.install_numpy_batches()  # JAX/torch fit: NumPy batches without tf.data
+        keras_split.install_split_hint()  # fit(source, validation_split=...): how to split
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,

@@ -45,6 +45,11 @@ SCRIPT = textwrap.dedent(
     xs = np.load(sys.argv[2])
     direct = keras.ops.convert_to_numpy(model(xs[:64]))
     quiet = sum("predict reads" in m for m in said)
+    try:
+        model.fit(x, validation_split=0.2, epochs=1, verbose=0)
+        hint = "no error"
+    except ValueError as e:
+        hint = str(e)
     model.predict(TFRecordSequenceSource(d, batch_size=32, seed=0), verbose=0)
     print(json.dumps({
         "backend": keras.backend.backend(),
@@ -53,6 +58,7 @@ SCRIPT = textwrap.dedent(
         "val_acc": float(acc), "pred_rows": int(pred.shape[0]),
         "pred_match": bool(np.allclose(pred[:64], direct, atol=1e-5)),
         "shuffled_predict_said": [quiet, sum("predict reads" in m for m in said)],
+        "split_hint": hint,
     }))
     """
 )
@@ -94,6 +100,7 @@ def test_fit_evaluate_predict_under_each_backend(learnable, backend):
     assert res["pred_rows"] == 1000
     assert res["pred_match"], "predict's rows are not the written samples in order"
     assert res["shuffled_predict_said"] == [0, 1], "predict on a shuffling source logs once"
+    assert "subset='validation'" in res["split_hint"], res["split_hint"]
 
 
 ADAPTER_SCRIPT = textwrap.dedent(

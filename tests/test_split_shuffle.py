@@ -210,3 +210,34 @@ def test_block_mode_splits_by_sample_up_to_64_records_and_4mi_samples(tmp_path, 
         assert src.num_samples == int(0.3 * n)
     else:
         assert src.num_samples % spr in by_records
+
+
+def test_fit_with_validation_split_on_a_source_says_how_the_source_splits(make_dataset):
+    """Keras refuses `fit(dataset, validation_split=...)`; for a source the ValueError
+    also shows the two sources to make. Arrays still split as Keras splits them."""
+    import keras
+
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    y = np.zeros(20, np.float32)
+    d = make_dataset(x, y)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="only") as e:
+        model.fit(TFRecordSequenceSource(d, 4, seed=0), validation_split=0.25, verbose=0)
+    message = str(e.value)
+    assert "Keras splits arrays only" in message and d in message
+    assert "validation_split=0.25, subset='training'" in message
+    assert "subset='validation', shuffle=False" in message
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    history = model.fit(x, y, validation_split=0.25, epochs=1, verbose=0).history
+    assert "val_loss" in history
+    with pytest.raises(ValueError, match="only supported for tensors or NumPy arrays") as e:
+        model.fit(tf_dataset_of(x, y), validation_split=0.25, verbose=0)
+    assert "keras-tfr" not in str(e.value)
+
+
+def tf_dataset_of(x, y):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)

@@ -6,6 +6,8 @@ relies on it. The code that touches them lives in this package only:
 
 * `keras_tfr._compat.keras_shuffle`: Keras' "`shuffle=True` ... will be ignored" warning,
   off for keras-tfr sources (``EpochIterator.__init__``);
+* `keras_tfr._compat.keras_split`: ``fit(source, validation_split=...)`` says how a
+  source splits itself (``array_slicing.train_validation_split``);
 * `keras_tfr._compat.keras_errors`: damaged-data errors inside ``fit`` become
   `keras_tfr.CorruptRecordError` (``EpochIterator.catch_stop_iteration``);
 * `keras_tfr._compat.keras_resume`: exact mid-epoch resume for
@@ -91,6 +93,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "the function that warns; EpochIterator.__init__ must pass `shuffle` to it",
         ("keras_tfr.source",),
         "keras_tfr._compat.keras_shuffle",
+    ),
+    # --- Keras: fit(source, validation_split=...) says how a source splits (keras_split) ---
+    PrivateAPI(
+        "keras.src.trainers.data_adapters.array_slicing",
+        "train_validation_split",
+        "keras",
+        _KERAS,
+        "wrapped so that fit(source, validation_split=...) says how the source splits itself",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_split",
     ),
     # --- Keras: CorruptRecordError inside fit (keras_errors) ---
     PrivateAPI(
