@@ -6,7 +6,9 @@ batch 256. Prints, per mode, the validation subset's size and class shares, and 
 of full training batches in which one class holds more than 20 % of the batch (a global
 shuffle gives about 0 %). Block mode splits data sets of up to 64 records by sample, so
 it is also shown on the same data written in 512 KB records (122 records), which it
-splits by whole records. `tests/test_split_shuffle.py` asserts the targets.
+splits by whole records, in the order given and with ``shuffle_seed=0`` (the samples
+written in a seeded order). `tests/test_split_shuffle.py` and `tests/test_write_order.py`
+assert the targets.
 
 Usage::
 
@@ -33,11 +35,19 @@ def main() -> int:
         y = np.repeat(np.arange(CLASSES, dtype=np.int32), PER_CLASS)
         x = y.astype(np.float32)[:, None] * np.ones(FEATURES, np.float32)
         written = {}
-        for record_size in ("1MB", "512KB"):
-            written[record_size] = d = os.path.join(tmp, record_size)
-            ArraysToRecords.from_arrays(x, y, d, record_size=record_size, verbose=0)
-        for access, record_size in (("samples", "1MB"), ("blocks", "1MB"), ("blocks", "512KB")):
-            d = written[record_size]
+        for record_size, seed in (("1MB", None), ("512KB", None), ("512KB", 0)):
+            d = os.path.join(tmp, f"{record_size}-{seed}")
+            written[record_size, seed] = d
+            ArraysToRecords.from_arrays(
+                x, y, d, record_size=record_size, shuffle_seed=seed, verbose=0
+            )
+        for access, record_size, seed in (
+            ("samples", "1MB", None),
+            ("blocks", "1MB", None),
+            ("blocks", "512KB", None),
+            ("blocks", "512KB", 0),
+        ):
+            d = written[record_size, seed]
             kw = dict(batch_size=BATCH, seed=0, validation_split=SPLIT, access=access)
             va = TFRecordSequenceSource(d, subset="validation", shuffle=False, **kw)
             tr = TFRecordSequenceSource(d, subset="training", **kw)
@@ -46,7 +56,8 @@ def main() -> int:
             full = [b[1] for b in tr.as_numpy_iterator() if len(b[1]) == BATCH]
             skewed = np.mean([np.bincount(b, minlength=CLASSES).max() / BATCH > 0.2 for b in full])
             print(
-                f"access={access!r}, {va.manifest.total_records} records: validation "
+                f"access={access!r}, {va.manifest.total_records} records"
+                f"{', written with shuffle_seed=0' if seed is not None else ''}: validation "
                 f"{len(yva):,} samples, "
                 f"{np.count_nonzero(shares)} of {CLASSES} classes, shares "
                 f"{np.round(shares, 3).tolist()} (at most "

@@ -41,6 +41,10 @@ field                  meaning
                        in order): one pass over the data yields both, and it changes when
                        any record changes, moves or goes missing
 ``user_metadata``      optional JSON object given by the writer's caller
+``shuffle_seed``       optional int: the samples were written in the order of the seeded
+                       permutation `keras_tfr.read.order.Permutation` of ``total_samples``
+                       with key ``(shuffle_seed, 3)`` (``from_arrays(..., shuffle_seed=)``);
+                       absent: in the order given
 =====================  ================================================================
 
 A manifest may come from an untrusted place: it is parsed as JSON only, shard names must
@@ -133,6 +137,7 @@ class Manifest:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     directory: str = ""
     lattice: Lattice | None = None
+    shuffle_seed: int | None = None
 
     @property
     def total_samples(self) -> int:
@@ -175,6 +180,8 @@ class Manifest:
         }
         if self.user_metadata:
             out["user_metadata"] = self.user_metadata
+        if self.shuffle_seed is not None:
+            out["shuffle_seed"] = self.shuffle_seed
         return out
 
     def save(self, directory: str) -> None:
@@ -419,7 +426,11 @@ class Manifest:
             created=str(obj.get("created", "")),
             user_metadata=obj.get("user_metadata") or {},
             lattice=lattice,
+            shuffle_seed=obj.get("shuffle_seed"),
         )
+        seed = manifest.shuffle_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise fail(f"`shuffle_seed` must be a non-negative integer, got {seed!r:.40}")
         for total, value in (
             ("total_samples", manifest.total_samples),
             ("total_records", manifest.total_records),

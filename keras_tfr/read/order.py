@@ -53,8 +53,10 @@ _MIX = {
     _U32: (_U32(0x21F0AAAD), _U32(15), _U32(0x735A2D97), _U32(16)),
 }
 
-# Domain tags, so that the split, the shuffle and the in-batch order never share keys.
+# Domain tags, so that the split, the shuffle, the in-batch order and the writer's order
+# (`ArraysToRecords.from_arrays(..., shuffle_seed=)`) never share keys.
 _SPLIT, _SHUFFLE = 1, 2
+WRITE_ORDER = 3
 
 
 def _round_keys(key: Sequence[int]) -> np.ndarray:

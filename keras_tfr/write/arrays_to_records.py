@@ -143,6 +143,7 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
         metadata: dict[str, Any] | None = None,
         variable_length: Iterable[str] = (),
         lattice: bool = True,
+        shuffle_seed: int | None = None,
     ) -> Manifest:
         """Converts arrays (or an iterable of batches) in one call.
 
@@ -157,6 +158,16 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
                 many samples it holds, so it is written in shards of `shard_size` and
                 refuses a `min_shards` above 1 (use `ArraysToRecords` with
                 ``expected_samples=``).
+            shuffle_seed: write the samples in the order of a permutation seeded by this
+                int (arrays only), so that every record holds samples from across the
+                input. Sample mode reads by sample and gains nothing from it; block mode
+                (remote storage, compressed shards, variable-length features, data larger
+                than half of memory), which splits and shuffles whole records, then mixes
+                class-sorted input as sample mode does. The input is read at random, a
+                chunk at a time, each chunk in increasing index order (for a memmap or an
+                h5py data set on a spinning disk, slow). The manifest records the seed; a
+                resumed conversion must be given the same. ``None`` (default): the order
+                given.
             Other arguments: as for `ArraysToRecords`.
 
         Returns:
@@ -182,6 +193,7 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
             metadata=metadata,
             variable_length=variable_length,
             lattice=lattice,
+            shuffle_seed=shuffle_seed,
         )
         return write_arrays(cls._from_options, directory, x, y, sample_weight, options, min_shards)
 

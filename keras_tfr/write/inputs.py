@@ -299,6 +299,28 @@ def batch_len(parts: tuple) -> int:
     return int(np.shape(first)[0])
 
 
+def take_rows(arr: Any, ids: np.ndarray) -> Any:
+    """Rows ``ids`` of an array-like (or a `Variable`), in that order, in memory.
+
+    Read in increasing index order (h5py's fancy indexing requires it; a memmap's disk
+    prefers it), then put in the order asked for. Array-likes without fancy indexing are
+    read row by row.
+    """
+    if isinstance(arr, Variable):
+        return Variable(
+            [arr.items[i] for i in ids.tolist()], arr.feature_kind, arr.dtype, arr.row_shape
+        )
+    order = np.argsort(ids, kind="stable")
+    ascending = ids[order]
+    try:
+        got = np.asarray(arr[ascending])
+    except (TypeError, IndexError, ValueError):
+        got = np.stack([np.asarray(arr[int(i)]) for i in ascending])
+    out = np.empty_like(got)
+    out[order] = got
+    return out
+
+
 def slice_parts(part: Any, start: int, stop: int) -> Any:
     if part is None:
         return None

@@ -150,6 +150,7 @@ def load_journal(directory: str, path: str) -> DirectoryState:
         records_per_shard=records_per_shard,
         compression=probe.compression,
         lattice=probe.lattice,
+        shuffle_seed=probe.shuffle_seed,
     )
     log.info(
         "keras-tfr: resuming %s after %d complete shards (%d samples)",

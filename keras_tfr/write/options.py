@@ -60,6 +60,7 @@ class WriteOptions:
     metadata: dict[str, Any] | None = None
     variable_length: Iterable[str] = ()
     lattice: bool = True
+    shuffle_seed: int | None = None
     shard_bytes: int = dataclasses.field(init=False)
     record_bytes: int = dataclasses.field(init=False)
     chunk_bytes: int = dataclasses.field(init=False)
@@ -87,6 +88,8 @@ class WriteOptions:
         put("overwrite", _checks.boolean("overwrite", self.overwrite))
         put("resume", _checks.boolean("resume", self.resume))
         put("lattice", _checks.boolean("lattice", self.lattice))
+        if self.shuffle_seed is not None:
+            put("shuffle_seed", _checks.non_negative_int("shuffle_seed", self.shuffle_seed))
         if self.overwrite and self.resume:
             raise ValueError(
                 "`overwrite=True` and `resume=True` contradict each other: pass one of them."

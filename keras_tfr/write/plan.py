@@ -27,6 +27,7 @@ class Layout:
     records_per_shard: int
     compression: str | None
     lattice: Lattice | None = None
+    shuffle_seed: int | None = None  # the samples' write order (`WriteOptions.shuffle_seed`)
 
     def config(self) -> dict[str, Any]:
         """The fields the manifest and the journal share."""
@@ -37,6 +38,7 @@ class Layout:
             "record_bytes": self.record_bytes,
             **({"lattice": self.lattice.to_json()} if self.lattice is not None else {}),
             "compression": self.compression,
+            **({"shuffle_seed": self.shuffle_seed} if self.shuffle_seed is not None else {}),
         }
 
 
@@ -99,6 +101,7 @@ def plan_layout(batch: Batch, options: WriteOptions) -> Layout:
         records_per_shard=_records_per_shard(record_bytes(spr), spr, options),
         compression=options.compression,
         lattice=lattice,
+        shuffle_seed=options.shuffle_seed,
     )
 
 

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
+
 from keras_tfr import _crc, _io
 from keras_tfr._version import __version__
 from keras_tfr.manifest import PROGRESS_NAME, Manifest, ShardInfo
@@ -178,6 +180,7 @@ class RecordWriter:
             record_bytes=layout.record_bytes,
             compression=layout.compression,
             lattice=layout.lattice,
+            shuffle_seed=layout.shuffle_seed,
             shards=list(self._files.shards),
             writer_version=__version__,
             user_metadata=dict(self.options.metadata or {}),
@@ -349,6 +352,12 @@ def write_arrays(
     """`ArraysToRecords.from_arrays`: `make` builds the writer from validated options."""
     directory = check_directory(directory)
     if inputs.is_batch_iterable(x):
+        if options.shuffle_seed is not None:
+            raise ValueError(
+                "Expected arrays with `shuffle_seed`: writing in a shuffled order reads the "
+                "input at random, and an iterable of batches is read once, in its order. "
+                f"Received: shuffle_seed={options.shuffle_seed} and an iterable of batches."
+            )
         return _write_iterable(make, directory, x, y, sample_weight, options, min_shards)
     # Validate everything before anything is touched on disk.
     options = dataclasses.replace(
@@ -364,10 +373,38 @@ def write_arrays(
                 f"The unfinished conversion in {directory} already holds {start} samples, "
                 f"more than the {batch.n} given: resume it with the same input."
             )
-        if start < batch.n:
+        if start and writer._layout is not None:
+            began = writer._layout.shuffle_seed
+            if began != options.shuffle_seed:
+                raise ValueError(
+                    f"The unfinished conversion in {directory} was started with "
+                    f"shuffle_seed={began}; resume it with the same `shuffle_seed`. "
+                    f"Received: shuffle_seed={options.shuffle_seed}"
+                )
+        if start < batch.n and options.shuffle_seed is None:
             writer._write_validated(batch, start)
+        elif start < batch.n:
+            _write_shuffled(writer, batch, start, options)
     assert writer.manifest is not None
     return writer.manifest
+
+
+def _write_shuffled(writer: RecordWriter, batch: Batch, start: int, options: WriteOptions) -> None:
+    """Writes positions ``start..`` of the seeded permutation of ``batch``'s samples,
+    chunk by chunk: each chunk gathers its samples from the input in increasing index order
+    (what h5py requires, and kind to a memmap's disk), then puts them in permuted order."""
+    from keras_tfr.read.order import WRITE_ORDER, Permutation
+
+    assert options.shuffle_seed is not None
+    order = Permutation(batch.n, key=(options.shuffle_seed, WRITE_ORDER))
+    sample_bytes = max(1, round(sum(map(inputs.mean_sample_bytes, batch.specs, batch.arrays))))
+    step = max(1, options.chunk_bytes // sample_bytes)
+    for lo in range(start, batch.n, step):
+        ids = order(np.arange(lo, min(lo + step, batch.n), dtype=np.int64))
+        arrays = [inputs.take_rows(a, ids) for a in batch.arrays]
+        writer._write_validated(Batch(batch.structure, batch.specs, arrays), 0)
+        for a in batch.arrays:  # the input pages this chunk read (a memmap's) go again
+            inputs.release_pages(a, 0, batch.n)
 
 
 def _write_iterable(
