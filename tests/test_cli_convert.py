@@ -418,3 +418,20 @@ def test_convert_tfrecords_into_a_data_set_says_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "`--overwrite`" in err and "overwrite=True" not in err, err
     assert main([*args, "--overwrite"]) == 0
+
+
+def test_convert_shuffle_seed_writes_the_seeded_order_and_resume_names_the_flag(
+    tmp_path, arrays, capsys
+):
+    from keras_tfr.read.order import WRITE_ORDER, Permutation
+
+    d = str(tmp_path / "ds")
+    base = ["convert", d, "--x", str(tmp_path / "meta.npy"), "--y", str(tmp_path / "y.npy")]
+    assert main([*base, "--shuffle-seed", "4", "--quiet"]) == 0, capsys.readouterr().err
+    assert Manifest.load(d).shuffle_seed == 4
+    x, y = _read_all(d)
+    perm = Permutation(37, key=(4, WRITE_ORDER))(np.arange(37))
+    assert _bits(x) == _bits(arrays["meta"][perm]) and _bits(y) == _bits(arrays["y"][perm])
+    assert main([*base, "--shuffle-seed", "-1", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "`--shuffle-seed`" in err and "shuffle_seed" not in err, err

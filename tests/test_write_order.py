@@ -54,9 +54,9 @@ def test_samples_are_written_in_the_seeded_order_bit_for_bit(tmp_path):
 
 def test_block_mode_mixes_class_sorted_data_written_shuffled(tmp_path):
     """10 classes sorted, 31 MB in 120 records: block mode splits by whole records, and
-    shuffles in pools of 16 records (a quarter of `shuffle_memory`). Written in the order given, its validation subset and
-    batches are skewed; written shuffled, the validation class shares are within 3
-    points and at most 5 % of batches hold a class above 20 %."""
+    shuffles in pools of 16 records (a quarter of `shuffle_memory`). Written in the order
+    given, its validation subset and batches are skewed; written shuffled, the validation
+    class shares are within 3 points and at most 5 % of batches hold a class above 20 %."""
     y = np.repeat(np.arange(10, dtype=np.int32), 3000)
     x = y.astype(np.float32)[:, None] * np.ones(256, np.float32)
     figures = {}

@@ -123,6 +123,9 @@ _FLAGS = {
     "`ArraysToRecords(..., resume=True)` for a conversion written in Python)",
     "`overwrite=True`": "`--overwrite`",
     "`resume=True`": "`--resume`",
+    "`shuffle_seed`": "`--shuffle-seed`",
+    "shuffle_seed=None": "no --shuffle-seed",
+    "shuffle_seed=": "--shuffle-seed ",
 }
 
 

@@ -142,6 +142,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-shards", type=int, default=8, help="write at least N shards")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing data set")
     parser.add_argument("--resume", action="store_true", help="continue an unfinished conversion")
+    parser.add_argument(
+        "--shuffle-seed",
+        type=int,
+        metavar="N",
+        help="write the samples in the order of a permutation seeded by N (mixes "
+        "class-sorted arrays for block mode; reads the input at random)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -165,6 +172,7 @@ def run_convert(args: argparse.Namespace) -> int:
         verbose=0 if args.quiet else 1,
         shard_size=args.shard_size,
         record_size=args.record_size,
+        shuffle_seed=args.shuffle_seed,
     )
     print(
         f"wrote {manifest.total_samples} samples in {len(manifest.shards)} shards "
