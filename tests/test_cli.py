@@ -64,6 +64,7 @@ def test_info_names_the_layout(tmp_path):
     assert f"padding {share:.1%})" in r.stdout
     r = run("info", str(tmp_path / "plain"))
     assert "layout      plain" in r.stdout
+    assert "order       as given" in r.stdout
 
 
 @pytest.mark.slow

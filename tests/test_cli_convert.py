@@ -429,6 +429,9 @@ def test_convert_shuffle_seed_writes_the_seeded_order_and_resume_names_the_flag(
     base = ["convert", d, "--x", str(tmp_path / "meta.npy"), "--y", str(tmp_path / "y.npy")]
     assert main([*base, "--shuffle-seed", "4", "--quiet"]) == 0, capsys.readouterr().err
     assert Manifest.load(d).shuffle_seed == 4
+    capsys.readouterr()
+    assert main(["info", d]) == 0
+    assert "order       shuffled when written (shuffle_seed=4)" in capsys.readouterr().out
     x, y = _read_all(d)
     perm = Permutation(37, key=(4, WRITE_ORDER))(np.arange(37))
     assert _bits(x) == _bits(arrays["meta"][perm]) and _bits(y) == _bits(arrays["y"][perm])

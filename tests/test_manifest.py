@@ -42,6 +42,13 @@ def test_valid_manifest_round_trips(valid):
     assert (m.total_samples, m.total_records, len(m.shards)) == (40, 10, 4)
 
 
+def test_shuffle_seed_round_trips(valid):
+    obj = copy.deepcopy(valid[0])
+    obj["shuffle_seed"] = 12
+    m = _load(obj)
+    assert m.shuffle_seed == 12 and m.to_json() == obj
+
+
 def test_save_is_atomic_and_leaves_no_temporary_file(valid, tmp_path):
     obj, _ = valid
     m = _load(obj)
@@ -109,6 +116,10 @@ def test_shard_paths_cannot_leave_the_directory(valid, name):
         (("shards", 1, "file"), None, "file"),
         (("total_samples",), 41, "total_samples"),
         (("user_metadata",), [1], "user_metadata"),
+        (("shuffle_seed",), -1, "shuffle_seed"),
+        (("shuffle_seed",), "3", "shuffle_seed"),
+        (("shuffle_seed",), True, "shuffle_seed"),
+        (("shuffle_seed",), 1.5, "shuffle_seed"),
     ],
 )
 def test_each_bad_field_is_refused_and_named(valid, path, value, match):

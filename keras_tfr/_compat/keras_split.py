@@ -91,5 +91,5 @@ def install_split_hint() -> bool:
             return original(arrays, validation_split)
 
         setattr(train_validation_split, _MARK, True)
-        module.train_validation_split = train_validation_split
+        setattr(module, "train_validation_split", train_validation_split)  # noqa: B010
         return True

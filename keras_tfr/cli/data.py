@@ -230,6 +230,12 @@ def run_info(args: argparse.Namespace) -> int:
         f"samples     {m.total_samples}",
         f"records     {m.total_records} ({m.samples_per_record} samples per record)",
         f"layout      {_layout(m)}",
+        "order       "
+        + (
+            "as given"
+            if m.shuffle_seed is None
+            else f"shuffled when written (shuffle_seed={m.shuffle_seed})"
+        ),
         f"shards      {len(m.shards)}",
         f"size        {_fmt_bytes(m.total_bytes)} on disk"
         + (f", {m.compression} compressed" if m.compression else ""),
