@@ -241,3 +241,33 @@ def tf_dataset_of(x, y):
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+
+def test_steps_per_epoch_with_a_repeated_source(make_dataset):
+    """README: with `steps_per_epoch`, `source.repeat()`: each pass is the source's next
+    epoch, in that epoch's order; `fit` runs every step without running out of data."""
+    import warnings
+
+    import keras
+
+    x = np.arange(320, dtype=np.float32)[:, None]
+    src = TFRecordSequenceSource(make_dataset(x, x[:, 0]), batch_size=32, seed=0)
+    it = iter(src.repeat())
+    passes = [np.concatenate([next(it)[1].numpy() for _ in range(10)]) for _ in range(3)]
+    for e, ys in enumerate(passes):
+        assert np.array_equal(ys, src.sample_order(e)), e
+    assert not np.array_equal(passes[0], passes[1])
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            steps.append(self.model.optimizer.iterations.numpy())
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ran out of data")
+        model.fit(src.repeat(), steps_per_epoch=3, epochs=5, verbose=0, callbacks=[Count()])
+    assert steps == [3, 6, 9, 12, 15]
+    with pytest.warns(UserWarning, match="ran out of data"):  # what the README warns of
+        model.fit(src, steps_per_epoch=3, epochs=5, verbose=0)
