@@ -21,7 +21,9 @@ Private APIs used:
   own ``shuffle=`` and ``seed=`` arguments); for a `tf.data.Dataset` the flag has no
   other effect in the verified versions.
 
-The same wrapper logs a warning (once per source) when ``predict`` reads a source that
+The same wrapper logs a warning (once per source) when ``fit``, ``evaluate`` or
+``predict`` is given a ``batch_size`` other than the source's (Keras ignores it for a data
+set), and when ``predict`` reads a source that
 shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator without
 ``y=``, ``fit``'s and ``evaluate``'s with it, so an iterator made without ``y`` is
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
@@ -157,6 +159,7 @@ def install_shuffle_warning_filter() -> bool:
                     bound.arguments["shuffle"] = False
                 if "y" not in bound.arguments:  # `predict`: fit and evaluate pass y=
                     _warn_shuffled_predict(x)
+                _warn_ignored_batch_size(x, bound.arguments.get("batch_size"))
             original(*bound.args, **bound.kwargs)
 
         setattr(__init__, _MARK, True)
@@ -177,6 +180,25 @@ def _warn_shuffled_predict(source: Any) -> None:
         "written. For predictions in written order, give predict a source made with "
         "shuffle=False (source.replace(shuffle=False)).",
         source._cfg.directory,
+    )
+
+
+def _warn_ignored_batch_size(source: Any, batch_size: Any) -> None:
+    """``fit(source, batch_size=k)``: Keras ignores ``batch_size`` for a data set, so the
+    source's own batches are read; said once per source when ``k`` differs from them."""
+    if batch_size is None or batch_size == source._cfg.batch_size:
+        return
+    if getattr(source, "_batch_size_warned", False):
+        return
+    source._batch_size_warned = True
+    log.warning(
+        "keras-tfr: batch_size=%s is ignored for a data set: %s reads batches of %d (its "
+        "own batch_size). For batches of %s, give Keras source.with_batch_size(%s).",
+        batch_size,
+        source._cfg.directory,
+        source._cfg.batch_size,
+        batch_size,
+        batch_size,
     )
 
 

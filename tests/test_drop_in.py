@@ -1,0 +1,97 @@
+"""What a Keras user moving from arrays types first, with a source: `fit`'s own
+`validation_split`, `batch_size` and `steps_per_epoch`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keras_tfr import TFRecordSequenceSource
+
+
+def test_fit_with_validation_split_on_a_source_says_how_the_source_splits(make_dataset):
+    """Keras refuses `fit(dataset, validation_split=...)`; for a source the ValueError
+    also shows the two sources to make. Arrays still split as Keras splits them."""
+    import keras
+
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    y = np.zeros(20, np.float32)
+    d = make_dataset(x, y)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="only") as e:
+        model.fit(TFRecordSequenceSource(d, 4, seed=0), validation_split=0.25, verbose=0)
+    message = str(e.value)
+    assert "Keras splits arrays only" in message and d in message
+    assert "validation_split=0.25, subset='training'" in message
+    assert "subset='validation', shuffle=False" in message
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    history = model.fit(x, y, validation_split=0.25, epochs=1, verbose=0).history
+    assert "val_loss" in history
+    with pytest.raises(ValueError, match="only supported for tensors or NumPy arrays") as e:
+        model.fit(tf_dataset_of(x, y), validation_split=0.25, verbose=0)
+    assert "keras-tfr" not in str(e.value)
+
+
+def tf_dataset_of(x, y):
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+
+def test_steps_per_epoch_with_a_repeated_source(make_dataset):
+    """README: with `steps_per_epoch`, `source.repeat()`: each pass is the source's next
+    epoch, in that epoch's order; `fit` runs every step without running out of data."""
+    import warnings
+
+    import keras
+
+    x = np.arange(320, dtype=np.float32)[:, None]
+    src = TFRecordSequenceSource(make_dataset(x, x[:, 0]), batch_size=32, seed=0)
+    it = iter(src.repeat())
+    passes = [np.concatenate([next(it)[1].numpy() for _ in range(10)]) for _ in range(3)]
+    for e, ys in enumerate(passes):
+        assert np.array_equal(ys, src.sample_order(e)), e
+    assert not np.array_equal(passes[0], passes[1])
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            steps.append(self.model.optimizer.iterations.numpy())
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ran out of data")
+        model.fit(src.repeat(), steps_per_epoch=3, epochs=5, verbose=0, callbacks=[Count()])
+    assert steps == [3, 6, 9, 12, 15]
+    with pytest.warns(UserWarning, match="ran out of data"):  # what the README warns of
+        model.fit(src, steps_per_epoch=3, epochs=5, verbose=0)
+
+
+def test_a_batch_size_given_to_fit_that_the_source_ignores_is_said_once(make_dataset, caplog):
+    """Keras ignores `fit(batch_size=)` for a data set: the source's batches are read, and
+    the log says how to get the batch size asked for; nothing is said when they agree."""
+    import keras
+
+    x = np.arange(320, dtype=np.float32)[:, None]
+    src = TFRecordSequenceSource(make_dataset(x, x[:, 0]), batch_size=32, seed=0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    sizes = []
+
+    class Sizes(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            sizes.append(int(self.model.optimizer.iterations.numpy()))
+
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        model.fit(src, batch_size=32, epochs=1, verbose=0)
+        model.evaluate(src, batch_size=32, verbose=0)
+        assert not [r for r in caplog.records if "is ignored" in r.getMessage()]
+        model.fit(src, batch_size=64, epochs=2, verbose=0, callbacks=[Sizes()])
+        model.evaluate(src, batch_size=64, verbose=0)
+    said = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "batch_size=64 is ignored" in said[0] and "with_batch_size(64)" in said[0]
+    assert len(sizes) == 20  # 10 steps of 32 per epoch: the source's batches
