@@ -158,6 +158,13 @@ class GraphReader:
         fixed_layout = m.record_bytes > 0 and all(s.kind == "fixed" for s in specs)
         layout_ok = self._layout_check(frame) if fixed_layout else None
 
+        def numbered(records: Any, first_record: Any) -> Any:
+            """(index in the shard, record) -> (record number in the data set, record),
+            which a split by sample needs; as it is otherwise."""
+            if sample_keep is None:
+                return records
+            return records.map(lambda i, r: (first_record + i, r))
+
         def read_fixed_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             records = _records_or_empty(path, compression)
             end = tf.data.Dataset.from_tensors(tf.constant(b""))  # records are never empty
@@ -181,7 +188,7 @@ class GraphReader:
                     )
                 return tf.cond(tf.strings.length(record) > 0, keep_it, at_end)
 
-            return indexed.filter(keep_record).map(lambda i, r: (first_record + i, r))
+            return numbered(indexed.filter(keep_record), first_record)
 
         def read_shard(path: Any, first_record: Any, n_records: Any) -> Any:
             if fixed_layout:
@@ -208,7 +215,7 @@ class GraphReader:
             )
             if keep is not None:
                 scanned = scanned.filter(lambda i, r, e, ok: tf.gather(keep, first_record + i))
-            return scanned.map(lambda i, r, e, ok: (first_record + i, r))
+            return numbered(scanned.map(lambda i, r, e, ok: (i, r)), first_record)
 
         cycle = self.num_parallel_reads or min(8, max(2, os.cpu_count() or 2))
         cycle = max(1, min(cycle, len(files)))
@@ -237,6 +244,10 @@ class GraphReader:
 
         pool_records = max(1, self.pool_bytes // record_bytes)
         pools_in = records.batch(pool_records)  # (record numbers, records)
+        if sample_keep is None:
+            pools_in = pools_in.map(lambda _, r: r)  # the numbers are not needed
+        else:  # one element (a dict is not unpacked into arguments, a tuple is)
+            pools_in = pools_in.map(lambda numbers, r: {"numbers": numbers, "records": r})
 
         feature_spec = {s.key: tf.io.FixedLenFeature([], tf.string) for s in specs}
         feature_spec[COUNT_KEY] = tf.io.FixedLenFeature([], tf.int64)
@@ -304,6 +315,11 @@ class GraphReader:
             decoded.update(variable)
             return decoded
 
+        def decode(pool: Any, rand: Any = None) -> Any:
+            if sample_keep is None:
+                return decode_pool(pool, None, rand)
+            return decode_pool(pool["records"], pool["numbers"], rand)
+
         # A fixed parallelism starts the first epoch at full speed (AUTOTUNE ramps up from
         # one call, which costs Keras a slow start at every epoch's new iterator).
         decoders = max(2, os.cpu_count() or 2)
@@ -311,16 +327,10 @@ class GraphReader:
             rng = tf.data.Dataset.random(seed=op_seed(3), rerandomize_each_iteration=True)
             rng = rng.batch(2)
             pools = tf.data.Dataset.zip((pools_in, rng)).map(
-                lambda p, rand: decode_pool(p[1], p[0], rand),
-                num_parallel_calls=decoders,
-                deterministic=self.deterministic,
+                decode, num_parallel_calls=decoders, deterministic=self.deterministic
             )
         else:
-            pools = pools_in.map(
-                lambda numbers, s: decode_pool(s, numbers, None),
-                num_parallel_calls=decoders,
-                deterministic=True,
-            )
+            pools = pools_in.map(decode, num_parallel_calls=decoders, deterministic=True)
         if self.service is not None:
             # Reading, parsing and decoding run on the tf.data service workers; batches are
             # cut here, so an epoch keeps exactly the step count Keras was given.
