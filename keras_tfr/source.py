@@ -83,10 +83,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         drop_remainder: drop the last, partial batch (the batch dimension of
             `element_spec` is then ``batch_size``, else None, as for `tf.data`'s ``batch``).
         validation_split: fraction (0 to 1) of the data reserved for validation. Sample
-            mode, and block mode on data sets of up to 64 records: ``int(validation_split
-            * n)`` samples (at least one) drawn across the whole data set, the same ones
-            in both modes. Block mode on larger data sets: whole records. The subsets are
-            disjoint and together complete.
+            mode, and block mode on data sets of up to 64 records (and 4 million samples):
+            ``int(validation_split * n)`` samples (at least one) drawn across the whole
+            data set, the same ones in both modes. Block mode on larger data sets: whole
+            records. The subsets are disjoint and together complete.
         subset: ``"training"`` or ``"validation"``; required with ``validation_split``.
         access: ``"samples"`` reads single samples at random through memory-mapped
             shards (local, uncompressed, fixed-size features); ``"blocks"`` reads whole
@@ -499,28 +499,28 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def _block_plan(self) -> None:
         opts = self._cfg
         m = self._manifest
+        self._sample_keep: np.ndarray | None = None
+        small = (
+            m.total_records <= _order.SAMPLE_SPLIT_RECORDS
+            and m.total_samples <= _order.SAMPLE_SPLIT_SAMPLES
+        )
+        if small and (opts.validation_split is not None or opts.num_workers is not None):
+            # The samples sample mode would read (split, worker share, step count), picked
+            # out of the records as they are decoded; records without any are not read.
+            self._sample_keep = self._sample_plan().mask()
+            starts = np.arange(0, m.total_samples, m.samples_per_record)
+            self._keep: np.ndarray | None = np.add.reduceat(self._sample_keep, starts) > 0
+            self._rows = self._num_samples
+            return
         counts = np.full(m.total_records, m.samples_per_record, dtype=np.int64)
         if m.total_records:
             counts[-1] = m.total_samples - (m.total_records - 1) * m.samples_per_record
         keep = None
-        self._sample_keep: np.ndarray | None = None
         if opts.validation_split is not None:
             assert opts.subset is not None and opts.seed is not None
-            if (
-                m.total_records <= _order.SAMPLE_SPLIT_RECORDS
-                and m.total_samples <= _order.SAMPLE_SPLIT_SAMPLES
-            ):
-                self._sample_keep = _order.sample_split(
-                    m.total_samples, opts.validation_split, opts.subset, opts.seed
-                )
-                # Samples of the subset per record; records without any are not read.
-                starts = np.arange(0, m.total_samples, m.samples_per_record)
-                counts = np.add.reduceat(self._sample_keep, starts).astype(np.int64)
-                keep = counts > 0
-            else:
-                keep = _order.block_split(
-                    m.total_records, opts.validation_split, opts.subset, opts.seed, opts.directory
-                )
+            keep = _order.block_split(
+                m.total_records, opts.validation_split, opts.subset, opts.seed, opts.directory
+            )
         self._num_samples = int(counts.sum() if keep is None else counts[keep].sum())
         self._pad_batches = 0
         self._rows = self._num_samples

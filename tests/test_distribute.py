@@ -115,8 +115,8 @@ def test_worker_source_turns_auto_sharding_off(ids_dataset):
         (dict(worker_index=0), "both `num_workers` and `worker_index`"),
         (dict(num_workers=2, worker_index=2), "worker_index"),
         (dict(num_workers=0, worker_index=0), "num_workers"),
-        (dict(num_workers=26, worker_index=0, access="blocks"), "at least 26 records"),
         (dict(num_workers=N + 1, worker_index=0), "leaves a worker without samples"),
+        (dict(num_workers=N + 1, worker_index=0, access="blocks"), "without samples"),
         (dict(service="localhost:5050"), "dispatcher address"),
         (dict(service="grpc://localhost:1", service_mode="epochs"), "service_mode"),
         (dict(service="grpc://localhost:1", on_corrupt="skip"), "on_corrupt"),
@@ -125,6 +125,26 @@ def test_worker_source_turns_auto_sharding_off(ids_dataset):
 def test_bad_distribution_arguments(ids_dataset, kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
         TFRecordSequenceSource(ids_dataset, batch_size=4, **kwargs)
+
+
+def test_block_mode_shares_whole_records_past_64_and_needs_one_per_worker(ids_dataset, monkeypatch):
+    """Past `SAMPLE_SPLIT_RECORDS` records block mode shares whole records among workers
+    (here 25 records, with the threshold lowered to 10)."""
+    from keras_tfr.read import order
+
+    monkeypatch.setattr(order, "SAMPLE_SPLIT_RECORDS", 10)
+    with pytest.raises(ValueError, match="at least 26 records"):
+        TFRecordSequenceSource(
+            ids_dataset, batch_size=4, num_workers=26, worker_index=0, access="blocks"
+        )
+    shares = [
+        set(_ids(TFRecordSequenceSource(ids_dataset, 4, shuffle=False, num_workers=3,
+                                        worker_index=w, access="blocks"))[0])
+        for w in range(3)
+    ]  # fmt: skip
+    assert sorted(set().union(*shares)) == list(range(N))
+    for share in shares:  # whole records of 4 samples
+        assert len(share) == 4 * len({i // 4 for i in share})
 
 
 def test_distribute_source_passes_check_files_to_its_manifest(ids_dataset):

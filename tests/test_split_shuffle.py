@@ -161,17 +161,31 @@ def test_block_mode_split_of_small_sorted_data_is_representative(tmp_path):
     assert np.all(np.abs(shares - 0.1) <= 0.03), shares
 
 
-def test_block_mode_small_split_with_worker_shares(tmp_path):
-    """Per-worker shares (whole records) of a split by sample cover the subset once."""
-    n = 600
+@pytest.mark.parametrize("split", [None, "training"])
+def test_block_mode_shares_a_small_data_set_among_workers_as_sample_mode(tmp_path, split):
+    """A data set of one record (1,003 samples) shared by 3 workers, split or not: each
+    worker reads the very samples sample mode gives it, with the same step count; the
+    shares are disjoint and cover the subset."""
+    n = 1003
     d = str(tmp_path / "ds")
     y = np.arange(n, dtype=np.int64)
-    ArraysToRecords.from_arrays(y.astype(np.float32), y, d, samples_per_record=50, verbose=0)
-    kw = dict(access="blocks", shuffle=False)
-    whole = np.sort(_ys(_subsets(d, **kw)["training"]))
-    shares = [_ys(_subsets(d, num_workers=3, worker_index=w, **kw)["training"]) for w in range(3)]
-    assert np.array_equal(np.sort(np.concatenate(shares)), whole)
-    assert len(whole) == n - int(0.2 * n)
+    ArraysToRecords.from_arrays(y.astype(np.float32), y, d, verbose=0)
+    kw = dict(batch_size=32, seed=5, num_workers=3)
+    if split:
+        kw.update(validation_split=0.2, subset=split)
+    shares, steps = [], set()
+    for w in range(3):
+        blocks = TFRecordSequenceSource(d, worker_index=w, access="blocks", **kw)
+        samples = TFRecordSequenceSource(d, worker_index=w, access="samples", **kw)
+        got = [b[1].numpy() for b in blocks]
+        assert len(got) == len(blocks) == len(samples)
+        steps.add(len(blocks))
+        ids = np.concatenate(got)
+        assert np.array_equal(np.sort(ids), np.sort(_ys(samples)))
+        shares.append(ids)
+    assert len(steps) == 1
+    every = np.concatenate(shares)
+    assert len(set(every.tolist())) == len(every) == (n - int(0.2 * n) if split else n)
 
 
 def test_block_mode_splits_a_larger_data_set_by_record(tmp_path):

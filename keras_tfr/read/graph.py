@@ -11,8 +11,9 @@ samples, so the per-element overhead of tf.data is paid once per block. Stage by
    on a fixed layout every non-payload byte of each record is checked against the
    manifest's layout as it is read (`GraphReader._layout_check`);
 3. the validation split keeps or drops whole records (`keras_tfr.read.order.block_split`),
-   or, for a small data set, single samples (`keras_tfr.read.order.sample_split`: the
-   samples sample mode would pick, dropped from each pool as it is decoded);
+   or, for a small data set, single samples (`keras_tfr.read.order.SampleOrder.mask`:
+   the samples sample mode reads, split and worker share, picked out of each pool as it
+   is decoded);
 4. shuffle: a buffer of records sized in bytes (a quarter of ``shuffle_memory``);
 5. pools of records are parsed with one batched `parse_example` (or cut by offset when
    every record has the fixed layout), decoded with one `decode_raw` and a zero-copy

@@ -24,9 +24,10 @@ Sample mode (``access="samples"``, the default where random access is cheap):
 Block mode (``access="blocks"``: remote storage, compressed shards, variable-length
 features, the tf.data service) reads whole records in sequence; its shuffle is the graph
 reader's (shards, a buffer of records, pools of samples). Its split assigns whole records
-(`block_split`), except on a small data set (up to `SAMPLE_SPLIT_RECORDS` records and
-`SAMPLE_SPLIT_SAMPLES` samples), which it splits by sample as sample mode does, the same
-samples on each side (`sample_split`): both subsets then read every record.
+(`block_split`) and its worker shares whole records, except on a small data set (up to
+`SAMPLE_SPLIT_RECORDS` records and `SAMPLE_SPLIT_SAMPLES` samples): there it reads the
+very samples sample mode reads (`SampleOrder.mask`: split and share), picked out of every
+record it reads.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Permutation", "SampleOrder", "block_split", "sample_split", "validation_count"]
+__all__ = ["Permutation", "SampleOrder", "block_split", "validation_count"]
 
-# Block mode splits a data set of at most this many records (64 MB at the default record
-# size) and samples by sample: reading every record for both subsets costs little there,
-# and a split by record would be coarse (one record: none at all).
+# Block mode splits (and shares among workers) a data set of at most this many records
+# (64 MB at the default record size) and samples by sample: reading every record for each
+# subset and worker costs little there, and whole records would be coarse (one record:
+# no split at all).
 SAMPLE_SPLIT_RECORDS = 64
 SAMPLE_SPLIT_SAMPLES = 1 << 22  # the mask of samples is a constant of the pipeline
 
@@ -201,6 +203,19 @@ class SampleOrder:
         p = positions + self._lo
         return p if self._split is None else self._split(p)
 
+    def mask(self) -> np.ndarray:
+        """A boolean mask over the ``total`` written samples, True for this share's (what
+        block mode reads of a small data set).
+
+        Example:
+            >>> SampleOrder(1003, seed=0, validation_split=0.2, subset="validation",
+            ...             shuffle=False, batch_size=32).mask().sum()
+            np.int64(200)
+        """
+        out = np.zeros(self.total, dtype=bool)
+        out[self.subset_samples(np.arange(self.size, dtype=np.int64))] = True
+        return out
+
     def samples(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Written indices of the epoch's stream positions ``[start, stop)``, batch by batch.
 
@@ -222,22 +237,6 @@ class SampleOrder:
     def epoch(self, epoch: int) -> np.ndarray:
         """All of the epoch's written indices in order (``size`` of them)."""
         return self.samples(epoch, 0, self.size)
-
-
-def sample_split(total: int, split: float, subset: str, seed: int) -> np.ndarray:
-    """Block mode's split of a small data set: a boolean mask over the ``total`` written
-    samples, True for the subset's; the very samples `SampleOrder` puts in it.
-
-    Example:
-        >>> int(sample_split(1003, 0.2, "validation", seed=0).sum())
-        200
-    """
-    order = SampleOrder(
-        total, seed=seed, validation_split=split, subset=subset, shuffle=False, batch_size=1
-    )
-    mask = np.zeros(total, dtype=bool)
-    mask[order.subset_samples(np.arange(order.size, dtype=np.int64))] = True
-    return mask
 
 
 def block_split(
