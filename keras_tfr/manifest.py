@@ -155,6 +155,31 @@ class Manifest:
     def sample_bytes(self) -> int:
         return sum(f.sample_bytes for f in self.features)
 
+    def input_indices(self, written: Any = None) -> Any:
+        """The input index of written samples (all of them by default): where each came
+        from in the arrays given to ``from_arrays``. The identity unless the data set was
+        written with ``shuffle_seed``. Returns an ``int64`` NumPy array.
+
+        Example:
+            >>> m = Manifest.load("data/train")  # written with shuffle_seed=0
+            >>> original_row_of_first_written = m.input_indices([0])[0]
+        """
+        import numpy as np
+
+        if written is None:
+            written = np.arange(self.total_samples, dtype=np.int64)
+        positions = np.asarray(written, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.total_samples):
+            raise IndexError(
+                f"Expected written sample indices in [0, {self.total_samples}). "
+                f"Received: {int(positions.min())} to {int(positions.max())}"
+            )
+        if self.shuffle_seed is None:
+            return positions.copy()
+        from keras_tfr.read.order import WRITE_ORDER, Permutation
+
+        return Permutation(self.total_samples, key=(self.shuffle_seed, WRITE_ORDER))(positions)
+
     def features_of(self, role: str) -> list[FeatureSpec]:
         return [f for f in self.features if f.role == role]
 

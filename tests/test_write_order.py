@@ -42,6 +42,10 @@ def test_samples_are_written_in_the_seeded_order_bit_for_bit(tmp_path):
     assert sorted(perm.tolist()) == list(range(len(y)))
     assert xs.tobytes() == x[perm].tobytes() and ys.tobytes() == y[perm].tobytes()
     assert verify(d).ok
+    assert np.array_equal(Manifest.load(d).input_indices(), perm)
+    assert Manifest.load(d).input_indices([5, 0]).tolist() == [perm[5], perm[0]]
+    with pytest.raises(IndexError, match=r"\[0, 6000\)"):
+        Manifest.load(d).input_indices([6000])
     # Another seed, another order; no seed, the order given (and no field).
     other = str(tmp_path / "other")
     ArraysToRecords.from_arrays(x, y, other, shuffle_seed=8, verbose=0)
@@ -50,6 +54,7 @@ def test_samples_are_written_in_the_seeded_order_bit_for_bit(tmp_path):
     assert ArraysToRecords.from_arrays(x, y, plain, verbose=0).shuffle_seed is None
     assert "shuffle_seed" not in json.loads(Path(plain, MANIFEST_NAME).read_text())
     assert _read(plain)[0].tobytes() == x.tobytes()
+    assert np.array_equal(Manifest.load(plain).input_indices(), np.arange(len(y)))
 
 
 def test_block_mode_mixes_class_sorted_data_written_shuffled(tmp_path):
