@@ -68,6 +68,8 @@ def test_steps_per_epoch_with_a_repeated_source(make_dataset):
     assert steps == [3, 6, 9, 12, 15]
     with pytest.warns(UserWarning, match="ran out of data"):  # what the README warns of
         model.fit(src, steps_per_epoch=3, epochs=5, verbose=0)
+    with pytest.warns(UserWarning, match="ran out of data"):  # "as for arrays"
+        model.fit(x, x[:, 0], batch_size=32, steps_per_epoch=3, epochs=5, verbose=0)
 
 
 def test_a_batch_size_given_to_fit_that_the_source_ignores_is_said_once(make_dataset, caplog):
