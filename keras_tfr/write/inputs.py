@@ -312,13 +312,25 @@ def take_rows(arr: Any, ids: np.ndarray) -> Any:
         )
     order = np.argsort(ids, kind="stable")
     ascending = ids[order]
-    try:
-        got = np.asarray(arr[ascending])
-    except (TypeError, IndexError, ValueError):
-        got = np.stack([np.asarray(arr[int(i)]) for i in ascending])
+    if isinstance(arr, np.memmap):
+        # A page fault maps the pages around it too (64 KB), so reading rows at random
+        # maps far more than it reads: the pages go again every few hundred rows, which
+        # bounds this process' memory by that, not by the file.
+        got = np.empty((len(ascending), *arr.shape[1:]), dtype=arr.dtype)
+        for k in range(0, len(ascending), _RELEASE_ROWS):
+            got[k : k + _RELEASE_ROWS] = arr[ascending[k : k + _RELEASE_ROWS]]
+            release_pages(arr, 0, len(arr))
+    else:
+        try:
+            got = np.asarray(arr[ascending])
+        except (TypeError, IndexError, ValueError):
+            got = np.stack([np.asarray(arr[int(i)]) for i in ascending])
     out = np.empty_like(got)
     out[order] = got
     return out
+
+
+_RELEASE_ROWS = 256  # rows of a memmap read at random between releases of its pages
 
 
 def slice_parts(part: Any, start: int, stop: int) -> Any:

@@ -403,8 +403,6 @@ def _write_shuffled(writer: RecordWriter, batch: Batch, start: int, options: Wri
         ids = order(np.arange(lo, min(lo + step, batch.n), dtype=np.int64))
         arrays = [inputs.take_rows(a, ids) for a in batch.arrays]
         writer._write_validated(Batch(batch.structure, batch.specs, arrays), 0)
-        for a in batch.arrays:  # the input pages this chunk read (a memmap's) go again
-            inputs.release_pages(a, 0, batch.n)
 
 
 def _write_iterable(
