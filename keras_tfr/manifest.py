@@ -176,9 +176,9 @@ class Manifest:
             )
         if self.shuffle_seed is None:
             return positions.copy()
-        from keras_tfr.read.order import WRITE_ORDER, Permutation
+        from keras_tfr.read.order import write_order
 
-        return Permutation(self.total_samples, key=(self.shuffle_seed, WRITE_ORDER))(positions)
+        return write_order(self.total_samples, self.shuffle_seed)(positions)
 
     def features_of(self, role: str) -> list[FeatureSpec]:
         return [f for f in self.features if f.role == role]

@@ -6,7 +6,6 @@ The caps themselves need a GPU: `benchmarks/gpu_check.py` proves them there.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -15,6 +14,7 @@ import textwrap
 import types
 
 import pytest
+from _results import result_of
 
 from keras_tfr import gpu as gpu_module
 from keras_tfr import limit_gpu_memory
@@ -345,9 +345,7 @@ def test_environment_cap_follows_the_backend_the_program_chooses(
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr
-    line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    out = json.loads(line[0][len("RESULT ") :])
+    out = result_of(result)
     # `import keras_tfr` imported none of them, so Keras' backend was still open.
     assert out["heavy"] == [] and out["waiting"] is True
     assert out["keras"] == expected

@@ -8,7 +8,6 @@ of TensorFlow's own refusal, with the CPU standing in for a GPU.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import textwrap
 import warnings
 
 import pytest
+from _results import result_of
 
 from keras_tfr import gpu as gpu_module
 from keras_tfr import limit_gpu_memory
@@ -496,9 +496,7 @@ def test_each_backend_in_its_own_process(backend, tmp_path):
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr
-    line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    out = json.loads(line[0][len("RESULT ") :])
+    out = result_of(result)
     assert out["backend"] == backend
     if backend == "tensorflow":
         assert out["first"] == out["second"] == "tensorflow-backend"

@@ -167,14 +167,23 @@ def install_shuffle_warning_filter() -> bool:
         return True
 
 
+def _warn_once(source: Any, flag: str, message: str, *args: Any) -> None:
+    """Logs ``message`` for ``source`` unless it was logged for it already."""
+    if getattr(source, flag, False):
+        return
+    setattr(source, flag, True)
+    log.warning(message, *args)
+
+
 def _warn_shuffled_predict(source: Any) -> None:
     """``model.predict(source)`` on a source that shuffles: its predictions come in that
     epoch's shuffled order, where ``predict`` on arrays keeps their order. Logged once per
     source."""
-    if not source._cfg.shuffle or getattr(source, "_predict_warned", False):
+    if not source._cfg.shuffle:
         return
-    source._predict_warned = True
-    log.warning(
+    _warn_once(
+        source,
+        "_predict_warned",
         "keras-tfr: predict reads %s with shuffle=True, so the predictions come in a "
         "shuffled order (a new one on each call), not in the order the samples were "
         "written. For predictions in written order, give predict a source made with "
@@ -188,10 +197,9 @@ def _warn_ignored_batch_size(source: Any, batch_size: Any) -> None:
     source's own batches are read; said once per source when ``k`` differs from them."""
     if batch_size is None or batch_size == source._cfg.batch_size:
         return
-    if getattr(source, "_batch_size_warned", False):
-        return
-    source._batch_size_warned = True
-    log.warning(
+    _warn_once(
+        source,
+        "_batch_size_warned",
         "keras-tfr: batch_size=%s is ignored for a data set: %s reads batches of %d (its "
         "own batch_size). For batches of %s, give Keras source.with_batch_size(%s).",
         batch_size,

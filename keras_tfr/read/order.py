@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Permutation", "SampleOrder", "block_split", "validation_count"]
+__all__ = ["Permutation", "SampleOrder", "block_split", "validation_count", "write_order"]
 
 # Block mode splits (and shares among workers) a data set of at most this many records
 # (64 MB at the default record size) and samples by sample: reading every record for each
@@ -237,6 +237,17 @@ class SampleOrder:
     def epoch(self, epoch: int) -> np.ndarray:
         """All of the epoch's written indices in order (``size`` of them)."""
         return self.samples(epoch, 0, self.size)
+
+
+def write_order(total: int, seed: int) -> Permutation:
+    """The order `ArraysToRecords.from_arrays(..., shuffle_seed=seed)` writes ``total``
+    samples in: written sample ``i`` is input sample ``write_order(total, seed)(i)``.
+
+    Example:
+        >>> sorted(write_order(5, seed=0)(np.arange(5)).tolist())
+        [0, 1, 2, 3, 4]
+    """
+    return Permutation(total, key=(seed, WRITE_ORDER))
 
 
 def block_split(

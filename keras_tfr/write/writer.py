@@ -393,10 +393,10 @@ def _write_shuffled(writer: RecordWriter, batch: Batch, start: int, options: Wri
     """Writes positions ``start..`` of the seeded permutation of ``batch``'s samples,
     chunk by chunk: each chunk gathers its samples from the input in increasing index order
     (what h5py requires, and kind to a memmap's disk), then puts them in permuted order."""
-    from keras_tfr.read.order import WRITE_ORDER, Permutation
+    from keras_tfr.read.order import write_order
 
     assert options.shuffle_seed is not None
-    order = Permutation(batch.n, key=(options.shuffle_seed, WRITE_ORDER))
+    order = write_order(batch.n, options.shuffle_seed)
     sample_bytes = max(1, round(sum(map(inputs.mean_sample_bytes, batch.specs, batch.arrays))))
     step = max(1, options.chunk_bytes // sample_bytes)
     for lo in range(start, batch.n, step):
