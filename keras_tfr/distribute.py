@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_tfr._compat import keras_dist
+from keras_tfr._compat import keras_dist, keras_shuffle
 
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
     import tensorflow as tf
@@ -124,9 +124,12 @@ def distribute_source(
             **source_kwargs,
         )
 
-    return strategy.distribute_datasets_from_function(
+    distributed = strategy.distribute_datasets_from_function(
         dataset_fn, options=tf.distribute.InputOptions(experimental_replication_mode=mode)
     )
+    if source_kwargs.get("shuffle", True):
+        keras_shuffle.mark_self_shuffling(distributed)  # Keras' shuffle warning is wrong for it
+    return distributed
 
 
 def _num_workers(strategy: tf.distribute.Strategy) -> int:
@@ -268,7 +271,10 @@ def keras_distribution_source(
         )
     if samples == share.num_samples and steps == len(share):
         return share
-    return first_samples(share, samples, per_process, steps)
+    cut = first_samples(share, samples, per_process, steps)
+    if share._cfg.shuffle:
+        keras_shuffle.mark_self_shuffling(cut)  # Keras' shuffle warning is wrong for it
+    return cut
 
 
 def first_samples(

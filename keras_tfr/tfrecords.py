@@ -583,6 +583,10 @@ def from_tfrecords(
     if _raw_roles:
         batches._keras_tfr_roles = roles
         batches._keras_tfr_total = total
+    elif shuffle:
+        from keras_tfr._compat import keras_shuffle
+
+        keras_shuffle.mark_self_shuffling(batches)  # Keras' shuffle warning is wrong for it
     return batches
 
 

@@ -223,6 +223,33 @@ def test_incremental_writes_memmap_h5py_and_iterables_agree(tmp_path):
         assert m.total_samples == 103 and m.total_records == 13
 
 
+def test_a_list_of_batch_tuples_is_written_as_batches(tmp_path):
+    """``[(x, y), ...]`` (the README's "iterable of (x, y[, w])" as a list) is batches; a
+    list of arrays stays one array per input, as Keras reads a list."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((103, 6)).astype(np.float32)
+    y = rng.integers(0, 5, 103).astype(np.uint8)
+    w = rng.random(103).astype(np.float32)
+    cases = {
+        "xy": ([(x[i : i + 10], y[i : i + 10]) for i in range(0, 103, 10)], (x, y)),
+        "xyw": ([(x[i : i + 7], y[i : i + 7], w[i : i + 7]) for i in range(0, 103, 7)], (x, y, w)),
+        "x": ([(x[i : i + 50],) for i in range(0, 103, 50)], (x,)),
+    }
+    for name, (batches, want) in cases.items():
+        m = ArraysToRecords.from_arrays(batches, directory=str(tmp_path / name), verbose=0)
+        assert m.total_samples == 103, name
+        got = list(TFRecordSequenceSource(str(tmp_path / name), 16, shuffle=False))
+        parts = [g if isinstance(g, tuple) else (g,) for g in got]
+        assert len(parts[0]) == len(want), name
+        for k, arr in enumerate(want):
+            assert _same_bits(np.concatenate([np.asarray(p[k]) for p in parts]), arr), name
+    # A list of two arrays: two inputs (x as a list), not two batches.
+    ArraysToRecords.from_arrays([x, x[:, :2]], y, str(tmp_path / "two"), verbose=0)
+    (first, labels) = next(iter(TFRecordSequenceSource(str(tmp_path / "two"), 103, shuffle=False)))
+    assert isinstance(first, (list, tuple)) and len(first) == 2
+    assert _same_bits(np.asarray(first[1]), x[:, :2]) and _same_bits(np.asarray(labels), y)
+
+
 def test_format_is_standard_tfrecord_of_examples(make_dataset):
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     y = np.arange(6, dtype=np.int64)

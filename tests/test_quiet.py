@@ -70,6 +70,48 @@ def test_fit_on_a_source_does_not_warn_but_a_users_dataset_does(make_dataset, sm
         assert len(_shuffle_warnings(record)) == 2
 
 
+def test_keras_tfr_data_sets_that_shuffle_themselves_do_not_warn_either(tmp_path, small_xy):
+    """`from_tfrecords`'s data set and `distribute_source`'s shuffle by their own
+    arguments, like a source: no Keras shuffle warning; with ``shuffle=False`` they are
+    not marked (and Keras' `fit(shuffle=True)` warns as for any data set)."""
+    import keras
+    import tensorflow as tf
+
+    from keras_tfr import ArraysToRecords, TFRecordSequenceSource, distribute_source
+    from keras_tfr.tfrecords import from_tfrecords
+
+    x, y = small_xy
+    path = str(tmp_path / "old.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for a, b in zip(x, y):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=a.reshape(-1))),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[b])),
+            }
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    features = {
+        "x": tf.io.FixedLenFeature([15], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+    }
+    ArraysToRecords.from_arrays(x.reshape(34, 15), y, str(tmp_path / "ds"), verbose=0)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])  # a distributed data set, not a source
+    model = keras.Sequential([keras.Input((15,)), keras.layers.Dense(34)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for shuffle in (True, False):
+        data = [
+            from_tfrecords(path, features, batch_size=8, y="y", shuffle=shuffle, seed=0),
+            distribute_source(strategy, str(tmp_path / "ds"), batch_size=8, shuffle=shuffle),
+        ]
+        for ds in data:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                model.fit(ds, epochs=1, verbose=0)  # shuffle=True is fit's default
+            assert not isinstance(ds, TFRecordSequenceSource)
+            assert len(_shuffle_warnings(record)) == (0 if shuffle else 1), (shuffle, ds)
+
+
 def test_constructing_a_source_installs_the_filter(make_dataset, small_xy, monkeypatch):
     from keras.src.trainers.epoch_iterator import EpochIterator
 

@@ -23,10 +23,11 @@ from keras_tfr.tfrecords import (
 N = 45
 
 
-def _write_tutorial(directory, n=N, files=3, seed=0):
-    """Exactly as TensorFlow's TFRecord tutorial writes images: serialize_tensor + float label."""
+def _write_tutorial(directory, n=N, files=3, seed=0, shape=(6, 4)):
+    """Exactly as TensorFlow's TFRecord tutorial writes images: serialize_tensor + float
+    label (and a variable-length ``tokens`` list), in ``train-K.tfrecord`` files."""
     rng = np.random.default_rng(seed)
-    images = rng.standard_normal((n, 6, 4)).astype(np.float32)
+    images = rng.standard_normal((n, *shape)).astype(np.float32)
     labels = rng.standard_normal(n).astype(np.float32)
     tokens = [rng.integers(0, 99, size=int(rng.integers(1, 6))) for _ in range(n)]
     per = -(-n // files)

@@ -29,6 +29,11 @@ shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator 
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
 arrays keeps theirs.
 
+The other data sets keras-tfr returns that shuffle themselves (`from_tfrecords`'s,
+`distribute_source`'s, `keras_distribution_source`'s when it cuts the batches) carry a
+mark (`mark_self_shuffling`), and get the same ``shuffle=False`` without the other
+warnings.
+
 ``EpochIterator.__init__`` is wrapped rather than ``get_data_adapter`` so that, for any
 other data, Keras' warning still points where it did (``stacklevel=2`` names the frame
 that called ``get_data_adapter``: Keras' own ``__init__``, not a keras-tfr wrapper).
@@ -49,6 +54,7 @@ __all__ = [
     "check_private_api",
     "install_shuffle_warning_filter",
     "keras_version_verified",
+    "mark_self_shuffling",
 ]
 
 log = logging.getLogger("keras_tfr")
@@ -65,6 +71,7 @@ GET_DATA_ADAPTER = "get_data_adapter"
 SHUFFLE_WARNING = "`shuffle=True` was passed, but will be ignored since the data `x` was provided"
 
 _MARK = "_keras_tfr_shuffle_filter"
+_SHUFFLES_ITSELF = "_keras_tfr_shuffles_itself"
 _lock = threading.Lock()
 
 
@@ -104,6 +111,26 @@ def _is_keras_tfr_source(x: Any) -> bool:
     # No import: if keras_tfr.source was never imported, `x` cannot be one of its sources.
     source = sys.modules.get("keras_tfr.source")
     return source is not None and isinstance(x, source.TFRecordSequenceSource)
+
+
+def _shuffles_itself(x: Any) -> bool:
+    return bool(getattr(x, _SHUFFLES_ITSELF, False))
+
+
+def mark_self_shuffling(dataset: Any) -> Any:
+    """Marks a data set of keras-tfr's that shuffles itself by its own arguments (and is
+    not a `TFRecordSequenceSource`) so that Keras' shuffle warning is off for it too;
+    installs the filter. Returns ``dataset``.
+
+    Example:
+        >>> ds = mark_self_shuffling(tf.data.Dataset.range(4).shuffle(4))
+    """
+    try:
+        setattr(dataset, _SHUFFLES_ITSELF, True)
+    except AttributeError:  # an object that takes no attributes: Keras warns as before
+        return dataset
+    install_shuffle_warning_filter()
+    return dataset
 
 
 def install_shuffle_warning_filter() -> bool:
@@ -160,6 +187,8 @@ def install_shuffle_warning_filter() -> bool:
                 if "y" not in bound.arguments:  # `predict`: fit and evaluate pass y=
                     _warn_shuffled_predict(x)
                 _warn_ignored_batch_size(x, bound.arguments.get("batch_size"))
+            elif bound.arguments.get("shuffle") and _shuffles_itself(x):
+                bound.arguments["shuffle"] = False
             original(*bound.args, **bound.kwargs)
 
         setattr(__init__, _MARK, True)

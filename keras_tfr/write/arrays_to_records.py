@@ -149,7 +149,9 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
 
         Args:
             x: an array-like, a dict or list of them, or an iterable of batches where each
-                batch is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``.
+                batch is ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` (a
+                generator, or a list of such tuples: a list of arrays is one array per
+                input, as Keras reads a list).
             y: targets (arrays only; an iterable carries its own targets).
             directory: where the data set goes. ``from_arrays(x, "dir")`` also works.
             sample_weight: per-sample weights (arrays only).

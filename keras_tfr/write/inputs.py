@@ -276,6 +276,13 @@ def check_same_schema(expected: tuple[dict[str, str], list[FeatureSpec]], batch:
 
 
 def is_batch_iterable(x: Any) -> bool:
+    """Whether ``x`` is an iterable of batches rather than arrays (or a structure of them).
+
+    A list holds one array per input, as Keras reads a list; but a non-empty list of
+    tuples can only be batches (``[(x, y), ...]``: a tuple is no array-like), and is
+    read as such."""
+    if isinstance(x, list) and x and all(isinstance(item, tuple) for item in x):
+        return True
     if x is None or is_array_like(x) or isinstance(x, (Mapping, list, tuple, str, bytes)):
         return False
     return isinstance(x, Iterable)
