@@ -20,7 +20,9 @@ nothing else: a line is dropped only if it has Abseil's pre-initialization form 
 severity below that level, or is the banner above, or is the cuInit failure on a machine
 with no NVIDIA device (where it only says that there is no GPU). Python warnings, Python
 logging (``WARNING:tensorflow:...``, absl-py's lines carry a real date) and anything else
-pass through. keras-tfr's examples and demo use it; a user's program is left alone.
+pass through. keras-tfr's examples, demo and ``keras-tfr`` command use it; a user's
+program is left alone (``keras-tfr parallel`` and ``tune`` pass their children's output on
+as it is).
 """
 
 from __future__ import annotations

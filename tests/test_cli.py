@@ -49,6 +49,30 @@ def test_info_does_not_import_tensorflow(make_dataset, small_xy):
     assert "samples     34" in r.stdout and "shard-00000.tfrecord" in r.stdout
 
 
+def test_commands_that_import_tensorflow_print_none_of_its_start_up_lines(tmp_path):
+    """`convert`, `verify` and `bench` import TensorFlow (Keras' progress bar does): its
+    Abseil start-up lines, which `TF_CPP_MIN_LOG_LEVEL` does not reach, are filtered as in
+    the examples (`keras_tfr._quiet`); the commands' own output stays."""
+    from keras_tfr import _quiet
+
+    np.save(tmp_path / "x.npy", np.arange(600, dtype=np.float32).reshape(200, 3))
+    d = str(tmp_path / "ds")
+    for args in (
+        ("convert", d, "--x", str(tmp_path / "x.npy")),
+        ("verify", d),
+        ("bench", d, "--batch-size", "32"),
+    ):
+        r = run(*args)
+        assert r.returncode == 0, r.stderr
+        noise = [ln for ln in r.stderr.splitlines() if _quiet.is_startup_noise(ln, 3)]
+        assert noise == [], (args, r.stderr)
+        assert r.stdout.strip(), args
+    assert (
+        "wrote 200 samples"
+        in run("convert", d, "--x", str(tmp_path / "x.npy"), "--overwrite").stdout
+    )
+
+
 def test_info_names_the_layout(tmp_path):
     from keras_tfr import ArraysToRecords
     from keras_tfr.schema import BlockEncoder

@@ -35,6 +35,9 @@ class Subcommand:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # Whether `run` imports TensorFlow (Keras' progress bar does): `main` imports it first
+    # with TensorFlow's start-up lines filtered (`keras_tfr._quiet`), as the examples do.
+    tensorflow: bool = True
 
 
 # The order is the order of `--help`.
@@ -48,6 +51,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "show a data set's schema, counts, sizes and shards",
         data.add_info_arguments,
         data.run_info,
+        tensorflow=False,
     ),
     "verify": Subcommand(
         "read every record and check CRCs, counts, checksums",
@@ -68,11 +72,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "run N capped training processes at once on one GPU",
         parallel.add_arguments,
         parallel.run,
+        tensorflow=False,  # the children are the user's programs, their output untouched
     ),
     "tune": Subcommand(
         "run a keras-tuner search with a chief and N local workers",
         tune.add_arguments,
         tune.run,
+        tensorflow=False,  # likewise
     ),
     "serve": Subcommand(
         "start a tf.data service dispatcher and workers",
@@ -94,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         description = command.help[0].upper() + command.help[1:]
         p = sub.add_parser(name, help=command.help, description=description)
         command.add_arguments(p)
-        p.set_defaults(_run=command.run)
+        p.set_defaults(_run=command.run, _tensorflow=command.tensorflow)
     return parser
 
 
@@ -106,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if args._tensorflow and "tensorflow" not in sys.modules:
+        from keras_tfr import _quiet
+
+        _quiet.import_tensorflow_quietly()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
