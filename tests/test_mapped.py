@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -662,3 +663,63 @@ def test_units_and_prefetch_are_as_the_readme_says(tmp_path, monkeypatch):
         assert len(calls) == units and units <= -(-n // 8192) + 1, "one Python call per unit"
         batch_bytes = batch_size * 64 * 4
         assert src._prefetch_batches() == max(2, min(32, (2 << 20) // batch_bytes))
+
+
+def _spy_checks(monkeypatch, problem_in_helper: str | None = None):
+    """Records which thread checks each record; with ``problem_in_helper``, every record a
+    helper thread checks is reported damaged with that problem."""
+    calls: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    original = mapped.MappedPlan._check_record
+
+    def spy(self, record):
+        name = threading.current_thread().name
+        with lock:
+            calls.append((record, name))
+        time.sleep(0.002)  # as a disk would: the reader cannot check them all alone first
+        if problem_in_helper is not None and name == "keras_tfr_check":
+            return problem_in_helper
+        return original(self, record)
+
+    monkeypatch.setattr(mapped.MappedPlan, "_check_record", spy)
+    return calls
+
+
+def _many_records(tmp_path):
+    x = np.random.default_rng(4).standard_normal((800, 16)).astype(np.float32)
+    y = np.arange(800, dtype=np.int64)
+    d = str(tmp_path / "many")
+    m = ArraysToRecords.from_arrays(x, y, d, samples_per_record=4, verbose=0)
+    assert m.total_records == 200
+    return d, x, y
+
+
+def test_first_checks_are_shared_with_helper_threads_each_record_once(tmp_path, monkeypatch):
+    """A unit that touches many unchecked records has them checked by a pool of threads
+    beside the reader (reads from a cold page cache wait on the disk in parallel), each
+    record once, before any of its samples is handed out."""
+    d, x, _ = _many_records(tmp_path)
+    calls = _spy_checks(monkeypatch)
+    src = TFRecordSequenceSource(d, batch_size=800, shuffle=True, seed=0)  # one unit
+    (bx, by), *_ = list(src.as_numpy_iterator())
+    np.testing.assert_array_equal(bx, x[by])
+    records = sorted(r for r, _ in calls)
+    assert records == list(range(200))  # each once
+    helpers = {name for _, name in calls} - {threading.current_thread().name}
+    assert "keras_tfr_check" in helpers
+    assert len([1 for _, name in calls if name == "keras_tfr_check"]) >= mapped._CLAIM
+    list(src.as_numpy_iterator())  # the next epoch: nothing checked again
+    assert len(calls) == 200
+
+
+@pytest.mark.parametrize("on_corrupt", ["raise", "skip"])
+def test_damage_found_by_a_helper_thread_reaches_the_caller(tmp_path, monkeypatch, on_corrupt):
+    d, _, _ = _many_records(tmp_path)
+    calls = _spy_checks(monkeypatch, problem_in_helper="damaged (found by a helper)")
+    kw = {"max_corrupt_records": 0} if on_corrupt == "skip" else {}
+    src = TFRecordSequenceSource(d, batch_size=800, seed=0, on_corrupt=on_corrupt, **kw)
+    with pytest.raises(
+        CorruptRecordError, match=r"damaged \(found by a helper\)|more than max_corrupt_records=0"
+    ):
+        list(src.as_numpy_iterator())
+    assert any(name == "keras_tfr_check" for _, name in calls)

@@ -98,6 +98,12 @@ _ORDER_ROWS = 32768  # stream positions whose order is computed at once (a few u
 # gathers in parallel read 38 % faster with no model (docs/benchmarks.md, 2026-12-04).
 _SEQUENTIAL_GATHER_BYTES = 4 << 20
 _MAX_DRAWS = 64  # rounds of replacement draws for skipped samples, per unit
+# Threads that check records not yet checked, beside the reader that needs them: a check
+# reads its record through the map, so from a cold page cache it waits on the disk, and
+# with only the readers checking (2 on a 2-core machine) the disk had 2 requests to work
+# on at a time (`benchmarks/cold_read.py`).
+_CHECK_THREADS = 8
+_CLAIM = 8  # records a checking thread takes at a time
 _EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
 _TRUNCATED = "the file ends inside this record (truncated)"
 _PROT_READ = 1
@@ -446,16 +452,42 @@ class MappedPlan:
         """Checks the (unique) records not yet checked; returns the damaged among them.
 
         Threads that need the same records share the work: each claims a few unchecked
-        records at a time, and waits for the ones others are checking.
+        records at a time, and waits for the ones others are checking. Where there are
+        many, up to `_CHECK_THREADS` - 1 threads of a shared pool help.
         """
+        state = self.state
+        helpers = min(_CHECK_THREADS - 1, int(np.count_nonzero(state[records] == 0)) // _CLAIM)
+        futures = [_check_pool().submit(self._check_claims, records, False) for _ in range(helpers)]
+        try:
+            self._check_claims(records, True)
+        finally:
+            for f in futures:
+                f.cancel()  # not started yet: nothing left for it
+        # A helper's error (a damaged record; skip mode's "too many dropped") is this
+        # thread's to raise.
+        for f in futures:
+            error = None if f.cancelled() else f.exception()
+            if error is not None:
+                raise error
+        bad = records[state[records] == 2]
+        if len(bad) and self.skip is None:
+            self._damaged(int(bad[0]), self._check_record(int(bad[0])) or "damaged")
+        return bad
+
+    def _check_claims(self, records: np.ndarray, wait: bool) -> None:
+        """Claims and checks unchecked records of ``records`` until none is left; with
+        ``wait``, also until the ones other threads claimed are checked. Raises at a
+        damaged record (unless skipping), after marking it."""
         state = self.state
         while True:
             with self._check_lock:
                 todo = records[state[records] == 0]
                 if not len(todo):
-                    break
-                mine = todo[~self._claimed[todo]][:8]
+                    return
+                mine = todo[~self._claimed[todo]][:_CLAIM]
                 if not len(mine):
+                    if not wait:
+                        return
                     self._check_lock.wait(0.05)
                     continue
                 self._claimed[mine] = True
@@ -471,10 +503,6 @@ class MappedPlan:
             for r, problem in zip(mine, results):
                 if problem is not None:
                     self._damaged(int(r), problem)
-        bad = records[state[records] == 2]
-        if len(bad) and self.skip is None:
-            self._damaged(int(bad[0]), self._check_record(int(bad[0])) or "damaged")
-        return bad
 
     def _damaged(self, record: int, problem: str) -> None:
         path, offset, index, n_records = self.locate(record)
@@ -864,6 +892,28 @@ class _DaemonPool:
         for t in threads:
             if t is not threading.current_thread():
                 t.join()
+
+
+_CHECKERS: _DaemonPool | None = None
+_checkers_lock = threading.Lock()
+
+
+def _check_pool() -> _DaemonPool:
+    """The process's pool of checking threads (daemon threads, started on first use)."""
+    global _CHECKERS
+    with _checkers_lock:
+        if _CHECKERS is None:
+            _CHECKERS = _DaemonPool(_CHECK_THREADS - 1, "keras_tfr_check")
+        return _CHECKERS
+
+
+def _forget_check_pool() -> None:  # a forked child has none of its parent's threads
+    global _CHECKERS
+    _CHECKERS = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_check_pool)
 
 
 class _Pinned(np.ndarray):
