@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_summary)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -125,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         # One place turns bad input into exit code 2 for every subcommand.
         print(f"keras-tfr {args.command}: error: {with_flags(e)}", file=sys.stderr)
         return 2
+
+
+def _own_summary(record: logging.LogRecord) -> bool:
+    """Drops the writer's "wrote N samples" log line: the commands that write print their
+    own summary of it (with the size) on stdout."""
+    return not str(record.msg).startswith("keras-tfr: wrote ")
 
 
 # The library's errors name its Python arguments; a user of the command has these flags.
