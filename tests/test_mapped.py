@@ -308,6 +308,17 @@ def _flip_in_place(path, pos):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
 
+def _replace_flipped(path, pos):
+    """Writes the shard anew with one byte flipped and renames it over the old one, as
+    writers do (a new inode)."""
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    raw[pos] ^= 0x10
+    with open(path + ".new", "wb") as f:
+        f.write(raw)
+    os.replace(path + ".new", path)
+
+
 @pytest.mark.parametrize("how", ["in_place", "replaced"])
 def test_shard_changed_between_epochs_is_checked_again(data, how):
     d, _, _ = data
@@ -318,13 +329,8 @@ def test_shard_changed_between_epochs_is_checked_again(data, how):
     frame = m.record_bytes + 16
     if how == "in_place":
         _flip_in_place(path, 2 * frame + 40)
-    else:  # written anew and renamed over the old one, as writers do
-        with open(path, "rb") as f:
-            raw = bytearray(f.read())
-        raw[2 * frame + 40] ^= 0x10
-        with open(path + ".new", "wb") as f:
-            f.write(raw)
-        os.replace(path + ".new", path)
+    else:
+        _replace_flipped(path, 2 * frame + 40)
     with pytest.raises(CorruptRecordError) as e:
         _epoch(src)
     assert e.value.file == path and e.value.offset == 2 * frame
@@ -723,3 +729,71 @@ def test_damage_found_by_a_helper_thread_reaches_the_caller(tmp_path, monkeypatc
     ):
         list(src.as_numpy_iterator())
     assert any(name == "keras_tfr_check" for _, name in calls)
+
+
+def _mappings_of(path: str) -> int:
+    """How many mappings of ``path`` this process has (lines of /proc/self/maps)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(real))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc")
+def test_sources_over_the_same_shards_share_one_mapping(data):
+    """The training and validation subsets (and re-batched copies) map each shard once:
+    each mapping counts in RSS, so two made a 2 GB data set show as 4 GB."""
+    d, _, y = data
+    m = Manifest.load(d)
+    kw = {"seed": 0, "validation_split": 0.2}
+    train = TFRecordSequenceSource(d, batch_size=10, subset="training", **kw)
+    val = TFRecordSequenceSource(d, batch_size=10, subset="validation", **kw)
+    wider = train.with_batch_size(32)
+    got = [_epoch(s) for s in (train, val, wider)]
+    assert sorted(np.concatenate(got[:2]).tolist()) == y.tolist()
+    regions = {id(s._mapped_plan.region()) for s in (train, val, wider)}
+    assert len(regions) == 1
+    for shard in m.shards:
+        assert _mappings_of(m.shard_path(shard)) == 1
+
+
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_a_shard_changed_is_checked_again_by_every_source_sharing_it(data, how):
+    """One source's epoch start maps a changed shard again; every other source over it
+    checks it again too, at its next epoch or (mid-epoch) at its next unit."""
+    d, _, _ = data
+    m = Manifest.load(d)
+    path = m.shard_path(m.shards[1])
+    first = TFRecordSequenceSource(d, batch_size=10, seed=0)
+    second = TFRecordSequenceSource(d, batch_size=10, seed=1)
+    _epoch(first), _epoch(second)  # every record checked by each
+    frame = m.record_bytes + 16
+    if how == "in_place":
+        _flip_in_place(path, 2 * frame + 40)
+    else:
+        _replace_flipped(path, 2 * frame + 40)
+    with pytest.raises(CorruptRecordError):
+        _epoch(first)  # maps the shard again (the shared region), checks it
+    with pytest.raises(CorruptRecordError) as e:
+        _epoch(second)  # its own checks were of the old file
+    assert e.value.file == path and e.value.offset == 2 * frame
+
+
+def test_a_source_mid_epoch_checks_a_shard_another_source_mapped_again(tmp_path):
+    """Mid-epoch, the Python reader looks at the shared region's remap count before each
+    unit: records of a shard mapped again by another source are checked before use."""
+    x = np.random.default_rng(7).standard_normal((4000, 16)).astype(np.float32)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(x, None, d, samples_per_record=20, min_shards=4, verbose=0)
+    path = m.shard_path(m.shards[0])
+    reading = TFRecordSequenceSource(d, batch_size=100, shuffle=False)
+    starter = TFRecordSequenceSource(d, batch_size=100, shuffle=False)
+    it = reading.as_numpy_iterator()
+    next(it)  # mid-epoch: the first unit's records checked
+    _replace_flipped(path, 5 * (m.record_bytes + 16) + 40)
+    with pytest.raises(CorruptRecordError):
+        list(starter.as_numpy_iterator())  # its epoch start maps shard 0 again
+    assert reading._mapped_plan.region().remaps == 1
+    plan = reading._mapped_plan
+    ids = np.arange(5 * m.samples_per_record, 6 * m.samples_per_record)
+    with pytest.raises(ValueError, match="CRC"):
+        plan.good_samples(ids, 0, 99)  # the next unit of `reading` touching record 5

@@ -186,10 +186,17 @@ class _Region:
     lattice period's, for a lattice data set); ``starts[k]`` is shard ``k``'s offset in the
     range. Pages past a file's end are never touched (records are checked against the
     file's size first). Unmapped when the region is closed or collected.
+
+    The sources of one process that read the same shards share one region (`shared_region`:
+    a data set's training and validation subsets, its re-batched copies): the page cache
+    holds the data once either way, but each mapping counts in the process's RSS, so two
+    mappings of a 2 GB data set showed as 4 GB.
     """
 
     def __init__(self, files: list[str], sizes: list[int], align: int = 1):
         libc = _libc()
+        self.lock = threading.Lock()  # held while shards are found changed and remapped
+        self.remaps = 0  # shards mapped again so far: a plan that saw fewer looks again
         page = math.lcm(mmap.PAGESIZE, align)
         slots = [max(page, -(-int(s) // page) * page) for s in sizes]
         self.files = files
@@ -274,6 +281,28 @@ class _Region:
     def close(self) -> None:
         self._closer()
 
+    def remap_changed(self) -> None:
+        """Maps again every shard whose file on disk is no longer the one mapped."""
+        with self.lock:
+            for k in self.changed():
+                self.map(k)
+                self.remaps += 1
+
+
+_REGIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_regions_lock = threading.Lock()
+
+
+def shared_region(files: list[str], sizes: list[int], align: int) -> _Region:
+    """The process's `_Region` of these shards (paths, sizes, alignment), made on first use
+    and unmapped once nothing holds it."""
+    key = (tuple(files), tuple(int(s) for s in sizes), int(align))
+    with _regions_lock:
+        region = _REGIONS.get(key)
+        if region is None:
+            region = _REGIONS[key] = _Region(files, sizes, align)
+        return region
+
 
 def _signature(st: os.stat_result) -> tuple[int, int, int]:
     return (int(st.st_size), int(st.st_mtime_ns), int(st.st_ino))
@@ -336,6 +365,8 @@ class MappedPlan:
         first = np.cumsum([0, *self.shard_records])[:-1].astype(np.int64)
         self.index_in_shard = np.arange(total_records, dtype=np.int64) - first[self.shard_of]
         self._region: _Region | None = None
+        self._checked_files: list[tuple[int, int, int] | None] = []
+        self._seen_remaps = 0
         self._region_lock = threading.Lock()
         self._feature_base: list[np.ndarray] = []
         self._row_base: list[np.ndarray] = []
@@ -355,7 +386,12 @@ class MappedPlan:
         with self._region_lock:
             if self._region is None:
                 period = self.lattice.period if self.lattice is not None else 1
-                self._region = _Region(self.files, self.shard_bytes, period)
+                self._region = shared_region(self.files, self.shard_bytes, period)
+                # The files this plan's checks were made on (another plan may remap the
+                # shared region): a shard whose mapped file is not one of them is
+                # checked again.
+                self._checked_files = list(self._region.signatures)
+                self._seen_remaps = self._region.remaps
                 arr = self._region_array = self._region.array
                 # Per feature, a read-only "sliding window": row i is the sample_bytes
                 # bytes at address i (a [rows, sample_bytes] uint8 view with strides
@@ -379,15 +415,25 @@ class MappedPlan:
             return self._region
 
     def begin_epoch(self) -> None:
-        """Called when an epoch starts: finds shards changed on disk and forgets checks."""
+        """Called when an epoch starts: maps again the shards changed on disk, and forgets
+        the checks of every shard whose mapped file is not the one this plan checked
+        (changed now, or since remapped by another plan sharing the region)."""
         region = self.region()
-        changed = region.changed()
         with self._check_lock:
-            for k in changed:
-                region.map(k)
-                self.state[self.shard_of == k] = 0
+            region.remap_changed()
+            self._forget_remapped()
             if self.verify == "every_epoch":
                 self.state[self.state == 1] = 0
+
+    def _forget_remapped(self) -> None:
+        """Forgets the checks of every shard whose mapped file is not the one they were
+        made on (under `_check_lock`)."""
+        region = self.region()
+        self._seen_remaps = region.remaps
+        for k, signature in enumerate(region.signatures):
+            if signature != self._checked_files[k]:
+                self.state[self.shard_of == k] = 0
+                self._checked_files[k] = signature
 
     def epoch(self, number: int, start_batch: int, unit_rows: int | None = None) -> Epoch:
         """The `Epoch` that tf.data's units of epoch ``number`` come from.
@@ -519,6 +565,10 @@ class MappedPlan:
     def good_samples(self, ids: np.ndarray, epoch: int, unit: int) -> np.ndarray:
         """``ids`` with every sample of a damaged record replaced (skip mode), checked."""
         records = ids // self.spr
+        if self._region is not None and self._region.remaps != self._seen_remaps:
+            # Another source over these shards mapped one again mid-epoch: check anew.
+            with self._check_lock:
+                self._forget_remapped()
         unsure = records[self.state[records] != 1]  # all checked and sound: nothing to do
         if not len(unsure):
             return ids
