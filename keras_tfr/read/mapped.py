@@ -429,11 +429,12 @@ class MappedPlan:
         """Forgets the checks of every shard whose mapped file is not the one they were
         made on (under `_check_lock`)."""
         region = self.region()
-        self._seen_remaps = region.remaps
-        for k, signature in enumerate(region.signatures):
-            if signature != self._checked_files[k]:
-                self.state[self.shard_of == k] = 0
-                self._checked_files[k] = signature
+        with region.lock:  # not while another plan maps a shard again
+            self._seen_remaps = region.remaps
+            for k, signature in enumerate(region.signatures):
+                if signature != self._checked_files[k]:
+                    self.state[self.shard_of == k] = 0
+                    self._checked_files[k] = signature
 
     def epoch(self, number: int, start_batch: int, unit_rows: int | None = None) -> Epoch:
         """The `Epoch` that tf.data's units of epoch ``number`` come from.
