@@ -34,46 +34,37 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_all import BATCH, SHAPES, _paths, work_gen
+from run_all import BATCH, PEER_THREADS, SHAPES, _paths, work_gen
 
 READERS = {
     "raw": "raw read of the shards in sequence (limit)",
     "samples": "keras-tfr, sample mode (Python loop)",
     "samples-numpy": "keras-tfr, sample mode, as_numpy_iterator()",
     "blocks": 'keras-tfr, access="blocks"',
-    "memmap": "memmap + 4 threads (sorted gather)",
+    "memmap": f"memmap + {PEER_THREADS} threads (sorted gather)",
 }
 
 _CHILD = r"""
 import json, os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import numpy as np
+from concurrent.futures import ThreadPoolExecutor
 
-reader, ktfr, x_path, y_path, batch = sys.argv[1:6]
-batch = int(batch)
+here, reader, p = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, here)
+from run_all import BATCH, PEER_THREADS, _memmap_batches, _warm
+from keras_tfr.manifest import Manifest
+
+SAMPLES = Manifest.load(p["ktfr"]).total_samples
 
 
 def epoch_of(which, epoch):
-    if which == "raw":
-        n = 0
-        buf = bytearray(8 << 20)
-        for name in sorted(os.listdir(ktfr)):
-            with open(os.path.join(ktfr, name), "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-        return len(np.load(y_path, mmap_mode="r"))
-    if which == "memmap":
-        from concurrent.futures import ThreadPoolExecutor
-
-        x, y = np.load(x_path, mmap_mode="r"), np.load(y_path, mmap_mode="r")
-        perm = np.random.default_rng(epoch).permutation(len(y))
-
-        def one(i):
-            idx = np.sort(perm[i * batch : (i + 1) * batch])
-            return x[idx], y[idx]
-
-        with ThreadPoolExecutor(4) as pool:
-            return sum(len(b[1]) for b in pool.map(one, range(-(-len(y) // batch))))
+    if which == "raw":  # the shard files in sequence, as `run_all.py`'s raw read
+        _warm(p["ktfr"])
+        return SAMPLES
+    if which == "memmap":  # the peer, as `run_all.py` reads it
+        batch, steps = _memmap_batches(p, epoch)
+        with ThreadPoolExecutor(PEER_THREADS) as pool:
+            return sum(len(b[1]) for b in pool.map(batch, range(steps)))
     it = SOURCE.as_numpy_iterator() if which == "samples-numpy" else iter(SOURCE)
     return sum(int(b[1].shape[0]) for b in it)
 
@@ -82,7 +73,7 @@ if reader in ("samples", "samples-numpy", "blocks"):
     from keras_tfr import TFRecordSequenceSource
 
     access = "blocks" if reader == "blocks" else "samples"
-    SOURCE = TFRecordSequenceSource(ktfr, batch_size=batch, seed=0, access=access)
+    SOURCE = TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, seed=0, access=access)
     assert SOURCE.access == access
 out = {}
 for epoch, name in enumerate(("cold", "warm")):
@@ -131,7 +122,8 @@ def drop_page_cache() -> None:
 def run_reader(reader: str, p: dict[str, str], stat: str) -> dict[str, float]:
     drop_page_cache()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    args = [sys.executable, "-c", _CHILD, reader, p["ktfr"], p["x"], p["y"], str(BATCH)]
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [sys.executable, "-c", _CHILD, here, reader, json.dumps(p)]
     child = subprocess.Popen(
         args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )

@@ -275,14 +275,14 @@ def readme_gpu(block: Block) -> None:
     gpu_block(block, model=make_model(), train=TFRecordSequenceSource("data/train", seed=0))
 
 
-def _train_val(ns_extra: dict | None = None) -> dict:
+def _train_val() -> dict:
     from keras_tfr import TFRecordSequenceSource
 
     write_train()
     kw = {"batch_size": 128, "seed": 0, "validation_split": 0.1}
     train = TFRecordSequenceSource("data/train", subset="training", **kw)
     val = TFRecordSequenceSource("data/train", subset="validation", shuffle=False, **kw)
-    return {"train": train, "val": val, **(ns_extra or {})}
+    return {"train": train, "val": val}
 
 
 def check_tuner(ns: dict, values: dict[str, list]) -> None:
@@ -476,15 +476,10 @@ def scaling_ram(block: Block) -> None:
 
 _MWMS_CHILD = r"""
 import json, sys
-import numpy as np
 sys.path.insert(0, sys.argv[2])
-import tensorflow as tf
-import keras
 import test_doc_examples as t
-from keras_tfr import ArraysToRecords
 
-x, y = t.learnable()
-ArraysToRecords.from_arrays(x, y, "data/train", verbose=0)
+t.write_train()
 code = open(sys.argv[1]).read().replace("gs://my-bucket/", "")
 ns = t.base_ns(make_model=t.make_model)
 exec(compile(code, "docs/scaling.md", "exec"), ns)
