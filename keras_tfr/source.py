@@ -80,8 +80,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
         seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
             function of ``(seed, e)`` alone. Required with ``validation_split``, and the
             same for both subsets.
-        drop_remainder: drop the last, partial batch (the batch dimension of
-            `element_spec` is then ``batch_size``, else None, as for `tf.data`'s ``batch``).
+        drop_remainder: drop the last, partial batch. The batch dimension of
+            `element_spec` is ``batch_size`` where every batch is full: with
+            ``drop_remainder=True``, and in sample mode also where the subset (or this
+            worker's share) is whole batches, as Keras' pipeline for arrays gives them;
+            else None.
         validation_split: fraction (0 to 1) of the data reserved for validation. Sample
             mode, and block mode on data sets of up to 64 records (and 4 million samples):
             ``int(validation_split * n)`` samples (at least one) drawn across the whole
@@ -610,7 +613,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         )
         self._mapped_plan = plan
         structure = self._structure_fn() if not self._decode else (lambda d: d)
-        rows = opts.batch_size if opts.drop_remainder else None
+        # Every batch full (``drop_remainder``, or a subset of whole batches): a static
+        # batch dimension, as Keras' own pipeline for arrays gives such batches.
+        full = opts.drop_remainder or (self._rows % opts.batch_size == 0 and not self._pad_batches)
+        rows = opts.batch_size if full else None
         region = None
         if m.lattice is not None:
             try:
@@ -770,7 +776,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
 
 def _rows(rows: int) -> Callable[[Any], Any]:
-    """Sets the static batch dimension (``drop_remainder``: every batch is full)."""
+    """Sets the static batch dimension (where every batch is full)."""
     return lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]])
 
 

@@ -97,3 +97,36 @@ def test_a_batch_size_given_to_fit_that_the_source_ignores_is_said_once(make_dat
     assert len(said) == 1, said
     assert "batch_size=64 is ignored" in said[0] and "with_batch_size(64)" in said[0]
     assert len(steps) == 20  # 2 epochs of 10 steps: the source's batches of 32
+
+
+@pytest.mark.parametrize(
+    "batch_size, split", [(100, None), (64, None), (50, 0.2), (64, 0.2), (1000, None)]
+)
+def test_batches_have_the_shapes_keras_gives_the_same_arrays(make_dataset, batch_size, split):
+    """A drop-in source says what Keras' own pipeline for the arrays says: a static batch
+    dimension where every batch is full (1,000 samples), `None` where the last is short."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    x = np.random.default_rng(0).standard_normal((1000, 3, 2)).astype(np.float32)
+    y = np.arange(1000, dtype=np.int32)
+    d = make_dataset(x, y)
+    src = TFRecordSequenceSource(
+        d,
+        batch_size,
+        seed=0,
+        validation_split=split,
+        subset=None if split is None else "validation",
+    )
+    assert src.access == "samples"
+    n = len(y) if split is None else int(split * len(y))
+    keras_spec = (
+        ArrayDataAdapter(x[:n], y[:n], batch_size=batch_size, shuffle=True)
+        .get_tf_dataset()
+        .element_spec
+    )
+    assert src.element_spec == keras_spec
+    # Through tf.data's iterator (a mapped source), and straight from the mapped reader.
+    shapes = {int(bx.shape[0]) for bx in src.map(lambda bx, by: bx)}
+    assert shapes == {int(b[0].shape[0]) for b in src}
+    assert shapes == {b[0].shape[0] for b in src.as_numpy_iterator()}
+    assert shapes == ({batch_size} if n % batch_size == 0 else {batch_size, n % batch_size})

@@ -230,16 +230,20 @@ def test_mapped_and_graph_readers_give_the_same_samples(data, monkeypatch, drop_
 @pytest.mark.parametrize(
     "kwargs, rows",
     [
-        (dict(batch_size=50), None),  # 20 full batches, as tf.data's `batch` says: None
+        # 20 full batches: static, as Keras' pipeline for arrays gives them (`fit(x, y)`)
+        (dict(batch_size=50), 50),
         (dict(batch_size=64), None),  # the last batch holds 40
         (dict(batch_size=64, drop_remainder=True), 64),
-        (dict(batch_size=100, validation_split=0.2, subset="validation", seed=1), None),
+        (dict(batch_size=100, validation_split=0.2, subset="validation", seed=1), 100),
+        (dict(batch_size=64, validation_split=0.2, subset="validation", seed=1), None),
         (dict(batch_size=100, num_workers=2, worker_index=1, drop_remainder=True), 100),
-        (dict(batch_size=50, access="blocks"), None),
+        (dict(batch_size=100, num_workers=2, worker_index=1), 100),  # 5 full batches each
+        (dict(batch_size=100, num_workers=3, worker_index=0), None),  # 334, 333, 333
+        (dict(batch_size=50, access="blocks"), None),  # as tf.data's `rebatch` says
         (dict(batch_size=64, access="blocks", drop_remainder=True), 64),
     ],
 )
-def test_batch_dimension_is_static_with_drop_remainder(data, kwargs, rows):
+def test_batch_dimension_is_static_when_every_batch_is_full(data, kwargs, rows):
     d, x, _ = data
     src = TFRecordSequenceSource(d, shuffle=True, **{"seed": 0, **kwargs})
     assert src.element_spec[0].shape.as_list() == [rows, x.shape[1]]
