@@ -819,10 +819,12 @@ class _Iterator(OwnedIterator):
     Read eagerly in sample mode on a lattice (a Python loop, Keras' `predict` under
     TensorFlow), it hands out the batches of `keras_tfr.read.numpy_iter.TensorBatches`:
     tensors over arrays copied once from the page cache, without tf.data's iterator (the
-    same order, epochs, checks and errors). TensorFlow's iterator is made only when
-    something needs it: a tf.function that reads this iterator (what `fit` does), a
-    checkpoint of it; from then on every batch comes from it. Making it costs about 30 ms
-    (2-core VM), a tenth of a 0.5 GB epoch read in Python.
+    same order, epochs, checks and errors). In every mode TensorFlow's iterator is made
+    only when something needs it: a read, a tf.function that reads this iterator (what
+    `fit` does), a checkpoint of it; from then on every batch comes from it. Making it
+    prepares every function of the pipeline again: about 30 ms in sample mode and 60-150
+    ms in block mode (2-core VM), which the iterators Keras makes at each epoch's end and
+    drops unread no longer cost.
     """
 
     _resource: Any = None  # TensorFlow's iterator resource, once made
@@ -832,16 +834,11 @@ class _Iterator(OwnedIterator):
         self._source = source
         self._direct = source._tensor_direct()
         self._python: Any = None  # the `TensorBatches`, once read in Python
-        if not self._direct:
-            super().__init__(source)
-            return
-        # `OwnedIterator.__init__` but for the resource (`_iterator_resource`).
+        # `OwnedIterator.__init__` but for the resource (`_iterator_resource`), made when
+        # first needed, with the flat output types and shapes that reading it uses.
         super(OwnedIterator, self).__init__()
         self._dataset = source
         self._element_spec = source.element_spec
-        flat = tf.nest.flatten(self._element_spec)
-        self._flat_output_types = [s.dtype for s in flat]
-        self._flat_output_shapes = [s.shape for s in flat]
         self._get_next_call_count = 0
 
     @property
@@ -871,6 +868,7 @@ class _Iterator(OwnedIterator):
     def _next_internal(self) -> Any:
         if self._in_python():
             return self._next_python()
+        _ = self._iterator_resource  # made first: it sets what `_next_internal` reads with
         return super()._next_internal()
 
     def _serialize_to_tensors(self) -> Any:
