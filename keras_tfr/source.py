@@ -834,6 +834,7 @@ class _Iterator(OwnedIterator):
         self._source = source
         self._direct = source._tensor_direct()
         self._python: Any = None  # the `TensorBatches`, once read in Python
+        self._making = threading.Lock()
         # `OwnedIterator.__init__` but for the resource (`_iterator_resource`), made when
         # first needed, with the flat output types and shapes that reading it uses.
         super(OwnedIterator, self).__init__()
@@ -844,10 +845,13 @@ class _Iterator(OwnedIterator):
     @property
     def _iterator_resource(self) -> Any:
         if self._resource is None:
-            if self._python is not None:
-                raise RuntimeError(_READ_IN_PYTHON.format(directory=self._source._cfg.directory))
-            with tf.init_scope():  # an eager resource, even when a tf.function asks first
-                self._create_iterator(self._source)
+            with self._making:  # one resource, though two threads read first at once
+                if self._resource is None:
+                    if self._python is not None:
+                        directory = self._source._cfg.directory
+                        raise RuntimeError(_READ_IN_PYTHON.format(directory=directory))
+                    with tf.init_scope():  # an eager resource, even when a tf.function asks
+                        self._create_iterator(self._source)
         return self._resource
 
     @_iterator_resource.setter
