@@ -145,7 +145,8 @@ class GraphReader:
         if self.shuffle:
             shards = shards.shuffle(len(files), seed=op_seed(1), reshuffle_each_iteration=True)
 
-        keep = None if self.keep is None else tf.constant(self.keep)
+        # Every record kept: no lookup (and no `tf.cond`) per record.
+        keep = None if self.keep is None or self.keep.all() else tf.constant(self.keep)
         # A split by sample: the subset's samples are picked out of each decoded pool, by
         # written index (the record's number times `spr`, plus the sample's place in it).
         sample_keep = None if self.sample_keep is None else tf.constant(self.sample_keep)
@@ -379,8 +380,8 @@ class GraphReader:
         )
 
         def check(path: Any, index: Any, number: Any, n_records: Any, record: Any) -> Any:
-            if short is full:
-                ok = matches(record, full)
+            if short is full or m.total_records == 1:  # one layout for every record
+                ok = matches(record, short)
             else:
                 ok = tf.cond(
                     tf.equal(number, last),
@@ -491,6 +492,13 @@ def _fixed_layout_decoder(
             full = tf.cond(full, lambda: counts_full(serialized), lambda: tf.constant(False))
         return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
 
+    # Every record checked has the manifest's layout (`GraphReader._layout_check`), so
+    # where all records are full, or the only one is short, one path serves every pool:
+    # no `tf.cond`, whose branches TensorFlow prepares again for each new iterator.
+    if m.total_samples % spr == 0:
+        return fast
+    if m.total_records == 1:
+        return slow
     return decode
 
 
