@@ -478,6 +478,14 @@ def _fixed_layout_decoder(
         decoded, parsed = parse_pool(serialized)
         return decoded, parsed[COUNT_KEY]
 
+    # Every record checked has the manifest's layout (`GraphReader._layout_check`), so
+    # where all records are full, or the only one is short, one path serves every pool:
+    # no `tf.cond`, whose branches TensorFlow prepares again for each new iterator.
+    if m.total_samples % spr == 0:
+        return fast
+    if m.total_records == 1:
+        return slow
+
     # On a lattice the short last record can have a full record's length (the padding
     # rounds both up): a full record is one whose sample count field says so too.
     head = np.frombuffer(headers[0][1], dtype=np.uint8)
@@ -492,13 +500,6 @@ def _fixed_layout_decoder(
             full = tf.cond(full, lambda: counts_full(serialized), lambda: tf.constant(False))
         return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
 
-    # Every record checked has the manifest's layout (`GraphReader._layout_check`), so
-    # where all records are full, or the only one is short, one path serves every pool:
-    # no `tf.cond`, whose branches TensorFlow prepares again for each new iterator.
-    if m.total_samples % spr == 0:
-        return fast
-    if m.total_records == 1:
-        return slow
     return decode
 
 
