@@ -35,7 +35,7 @@ from keras_tfr._compat.tf import OwnedIterator
 from keras_tfr._seeds import only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
-from keras_tfr.manifest import Manifest
+from keras_tfr.manifest import Manifest, parse_size
 from keras_tfr.read import order as _order
 from keras_tfr.read import split as _distribute
 from keras_tfr.read.options import DEFAULT_SHUFFLE_MEMORY, SourceOptions
@@ -94,14 +94,25 @@ class TFRecordSequenceSource(tf.data.Dataset):
         access: ``"samples"`` reads single samples at random through memory-mapped
             shards (local, uncompressed, fixed-size features); ``"blocks"`` reads whole
             records in sequence (remote storage, compressed shards, variable-length
-            features, the tf.data service, spinning disks, data much larger than memory).
-            ``"auto"`` (default) takes samples where they can be read and blocks
-            elsewhere; `access` tells which was taken, and the log says why.
+            features, the tf.data service, spinning disks). ``"auto"`` (default) takes
+            samples where they can be read and blocks elsewhere; `access` tells which was
+            taken, and the log says why.
         verify: sample mode: ``"first_read"`` (default) checks each record's CRC-32C and
             layout the first time this source reads it, and again when its shard changes
             on disk; ``"every_epoch"`` checks every record again every epoch. Block mode
             checks every record as it is read, every epoch.
         shuffle_memory: block mode's shuffle budget in bytes (``"64MB"`` or an int).
+        shuffle_window: sample mode: how much of the data one epoch shuffles at a time.
+            None: all of it, one order over every sample. A size (``"4GB"`` or an int of
+            bytes): each epoch permutes the records, cuts them into windows of that many
+            bytes (at most 4,194,304 samples), and reads the windows one after the other,
+            each in a new order of its samples; the window's records are read ahead
+            from disk a record at a time and dropped from the mapping once read. What
+            a data set larger than memory needs: the pages an epoch reads stay within
+            about three windows, and a batch still mixes samples of many records drawn
+            from the whole data set. ``"auto"`` (default): None when the data set fits
+            in half of this machine's memory, else a quarter of the memory (rounded down
+            to a power of two). The split is the same either way.
         on_corrupt: ``"raise"`` (default) stops at a damaged record with a
             `CorruptRecordError` naming its file and byte offset; ``"skip"`` logs it, drops
             it and fills the epoch with other samples, so the step count stays the one
@@ -148,6 +159,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         access: str = "auto",
         verify: str = "first_read",
         shuffle_memory: int | str = DEFAULT_SHUFFLE_MEMORY,
+        shuffle_window: int | str | None = "auto",
         on_corrupt: str = "raise",
         max_corrupt_records: int = 100,
         num_parallel_reads: int | None = None,
@@ -183,6 +195,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             access=access,
             verify=verify,
             shuffle_memory=shuffle_memory,
+            shuffle_window=shuffle_window,
             on_corrupt=on_corrupt,
             max_corrupt_records=max_corrupt_records,
             num_parallel_reads=num_parallel_reads,
@@ -469,6 +482,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         opts = self._cfg
         m = self._manifest
 
+        window = shuffle_window_bytes(opts.shuffle_window, m.total_bytes) if opts.shuffle else None
+        window_records = None if window is None else max(1, window // max(1, m.record_bytes))
+
         def share(worker: int | None) -> _order.SampleOrder:
             return _order.SampleOrder(
                 m.total_samples,
@@ -479,9 +495,23 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 worker_index=worker,
                 shuffle=opts.shuffle,
                 batch_size=opts.batch_size,
+                samples_per_record=m.samples_per_record,
+                window_records=window_records,
             )
 
         order = share(opts.worker_index)
+        if order.windowed and self._access == "samples":
+            assert order.window_records is not None and window is not None
+            log.info(
+                "keras-tfr: %s is shuffled in windows of %d records (%.2f GB, of %.2f GB)%s",
+                opts.directory,
+                order.window_records,
+                order.window_records * m.record_bytes / 1e9,
+                m.total_bytes / 1e9,
+                ": it is larger than half of this machine's memory"
+                if opts.shuffle_window == "auto"
+                else "",
+            )
         self._num_samples = order.size
         if opts.num_workers is None:
             shares = [order.size]
@@ -971,21 +1001,35 @@ def _choose_access(opts: SourceOptions, m: Manifest, specs: list[FeatureSpec]) -
         return opts.access, ""
     if reasons:
         return "blocks", "; ".join(reasons)
-    slow = _slow_random_access(m.total_bytes)
-    if slow:
-        return "blocks", slow
     return "samples", ""
 
 
-def _slow_random_access(total_bytes: int) -> str:
-    """Why reading single samples at random would be slow here, or ``""``."""
+def _memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where it cannot be told)."""
     try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover
-        memory = 0
-    if memory and total_bytes > memory // 2:
-        return (
-            f"the data set ({total_bytes / 1e9:.1f} GB) is larger than half of this "
-            f"machine's memory ({memory / 1e9:.1f} GB): random sample reads would go to disk"
-        )
-    return ""
+        return 0
+
+
+def shuffle_window_bytes(shuffle_window: int | str | None, total_bytes: int) -> int | None:
+    """The bytes of records that one window of sample mode's shuffle spans (None: the
+    whole data set, one order over all samples).
+
+    ``"auto"``: the whole data set when it fits in half of this machine's memory (all of
+    it can stay in the page cache); a larger one in windows of a quarter of the memory,
+    rounded down to a power of two (so that machines of nearly the same memory give the
+    same order).
+
+    Example:
+        >>> shuffle_window_bytes("256MB", 10**12)
+        256000000
+    """
+    if shuffle_window is None:
+        return None
+    if shuffle_window != "auto":
+        return parse_size(shuffle_window, argument="shuffle_window")
+    memory = _memory_bytes()
+    if not memory or total_bytes <= memory // 2:
+        return None
+    return 1 << ((memory // 4).bit_length() - 1)

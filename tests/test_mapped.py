@@ -75,16 +75,18 @@ def test_asking_for_samples_where_they_cannot_be_read_names_why(tmp_path, monkey
         TFRecordSequenceSource(d, batch_size=4, access="random")
 
 
-def test_data_much_larger_than_memory_reads_in_blocks(data, monkeypatch):
-    """Random sample reads of data that cannot stay in the page cache would go to disk."""
+def test_data_much_larger_than_memory_reads_by_sample_in_windows(data, monkeypatch):
+    """Data that cannot stay in the page cache is still read by sample, window by window
+    (tests/test_windowed.py), not in blocks."""
     d, _, _ = data
     from keras_tfr import source as source_module
 
     monkeypatch.setattr(os, "sysconf", lambda name: 100 if name == "SC_PHYS_PAGES" else 64)
-    assert "larger than half" in source_module._slow_random_access(10_000)
+    assert source_module._memory_bytes() == 6400
+    assert source_module.shuffle_window_bytes("auto", 10_000) == 1024  # 1600 -> 2**10
+    assert source_module.shuffle_window_bytes("auto", 3_200) is None
     src = TFRecordSequenceSource(d, batch_size=10)
-    assert src.access == "blocks"
-    assert TFRecordSequenceSource(d, batch_size=10, access="samples").access == "samples"
+    assert src.access == "samples"
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -108,6 +108,8 @@ _EPOCHS_KEPT = 4  # epochs whose order a plan keeps for tf.data iterators
 _TRUNCATED = "the file ends inside this record (truncated)"
 _PROT_READ = 1
 _MAP_FIXED = 0x10  # the same value on Linux and macOS
+_MADV_WILLNEED = 3  # the same values on Linux and macOS
+_MADV_DONTNEED = 4
 
 
 def available() -> bool:
@@ -139,6 +141,8 @@ def _libc() -> Any:
             libc.malloc.restype = ctypes.c_void_p
             libc.malloc.argtypes = [ctypes.c_size_t]
             libc.free.argtypes = [ctypes.c_void_p]
+            libc.madvise.restype = ctypes.c_int
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):  # pragma: no cover
             return None
         _LIBC = libc
@@ -457,6 +461,29 @@ class MappedPlan:
             key = (epoch.number, epoch.start_batch)
             if self._epochs.get(key) is epoch:
                 del self._epochs[key]
+
+    def advise(self, records: np.ndarray, advice: int) -> None:
+        """``madvise`` over the frames of ``records``: `_MADV_WILLNEED` has the kernel read
+        them ahead (a record at a time, not the page by page of faults), `_MADV_DONTNEED`
+        takes their pages out of this process's mapping (the page cache keeps them; a
+        later touch maps them again from it, or from the file)."""
+        region = self.region()
+        libc = _libc()
+        page = mmap.PAGESIZE
+        records = np.sort(records)
+        shards = self.shard_of[records]
+        starts = (
+            region.base + region.starts[shards] + self.index_in_shard[records] * self.full.frame
+        )
+        # Never past what is mapped of the file: a short last record's frame (or one of a
+        # truncated file) would reach beyond it, into the next mapping of the process.
+        ends = np.minimum(
+            starts + self.full.frame, region.base + region.starts[shards] + region.sizes[shards]
+        )
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            lo = a - a % page
+            if b > lo:
+                libc.madvise(lo, b - lo, advice)
 
     def locate(self, record: int) -> tuple[str, int, int, int]:
         """``(path, byte offset, index in shard, records in shard)`` of a record."""
@@ -788,6 +815,10 @@ class Epoch:
         # in read-only pieces that the units slice; at most a few pieces are kept.
         self._group = max(1, _ORDER_ROWS // self.unit_rows)
         self._orders: dict[int, Future] = {}
+        # The windowed shuffle (`SampleOrder.windowed`): windows whose records were read
+        # ahead, and those whose pages were then dropped from the mapping.
+        self._advised: set[int] = set()
+        self._dropped: set[int] = set()
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -804,12 +835,32 @@ class Epoch:
             hi = min(lo + self._group * self.unit_rows, plan.total_rows)
             try:
                 ids = plan.order.samples(self.number, lo, hi)
+                if plan.order.windowed and hi > lo:
+                    self._advise_windows(lo, hi)
             except BaseException as e:
                 fut.set_exception(e)
                 raise
             ids.flags.writeable = False
             fut.set_result(ids)
         return fut.result()
+
+    def _advise_windows(self, lo: int, hi: int) -> None:
+        """The windowed shuffle reads a window's records, then the next window's: read the
+        windows of positions ``[lo, hi)`` and the one after them ahead, and drop from the
+        mapping the pages of windows read through (so that this process's RSS holds about
+        three windows of the data, not all of it)."""
+        order = self.plan.order
+        first, last = (int(k) for k in order.window_of(self.number, np.array([lo, hi - 1])))
+        with self._lock:
+            ahead = [k for k in range(first, last + 2) if k not in self._advised]
+            self._advised.update(ahead)
+            done = [k for k in self._advised if k < first - 1 and k not in self._dropped]
+            self._dropped.update(done)
+        for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
+            for k in ks:
+                records = order.window_records_of(self.number, k)
+                if len(records):
+                    self.plan.advise(records, advice)
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""

@@ -41,6 +41,7 @@ class SourceOptions:
     access: str = "auto"
     verify: str = "first_read"
     shuffle_memory: int | str = DEFAULT_SHUFFLE_MEMORY
+    shuffle_window: int | str | None = "auto"
     on_corrupt: str = "raise"
     max_corrupt_records: int = 100
     num_parallel_reads: int | None = None
@@ -87,6 +88,8 @@ class SourceOptions:
         _checks.choice("access", self.access, ACCESS_MODES)
         _checks.choice("verify", self.verify, VERIFY_MODES)
         parse_size(self.shuffle_memory, argument="shuffle_memory")
+        if self.shuffle_window is not None and self.shuffle_window != "auto":
+            parse_size(self.shuffle_window, argument="shuffle_window")
         _checks.choice("on_corrupt", self.on_corrupt, ("raise", "skip"))
         put(
             "max_corrupt_records",

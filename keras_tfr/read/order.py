@@ -32,6 +32,7 @@ record it reads.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +60,12 @@ _MIX = {
 # (`ArraysToRecords.from_arrays(..., shuffle_seed=)`) never share keys.
 _SPLIT, _SHUFFLE = 1, 2
 WRITE_ORDER = 3
+_RECORDS, _WINDOW = 4, 5  # the windowed shuffle: records into windows, samples inside
+
+# A window of the windowed shuffle holds at most this many samples (its written indices
+# are listed once per window: 32 MB of int64), whatever its size in bytes.
+WINDOW_SAMPLES = 1 << 22
+_COUNT_CHUNK = 1 << 20  # samples looked at per step when counting a subset per record
 
 
 def _round_keys(key: Sequence[int]) -> np.ndarray:
@@ -97,14 +104,17 @@ class Permutation:
         keys = _round_keys(key)
         self._keys = keys.astype(word) if word is _U64 else (keys >> _U64(32)).astype(word)
 
-    def _rounds(self, x: np.ndarray) -> np.ndarray:
+    def _rounds(self, x: np.ndarray, backward: bool = False) -> np.ndarray:
         # In place, on two scratch arrays: the same arithmetic as
         # ``low ^= mix(high ^ k) & mask`` per round, without a temporary per operation.
+        # Each round only XORs one half with a function of the other, so running the
+        # rounds in reverse order undoes them (``backward``: the inverse network).
         low_bits = self._low
         mul1, shift1, mul2, shift2 = _MIX[self._word]
         high, low = x >> low_bits, x & self._low_mask
         h, t = np.empty_like(x), np.empty_like(x)
-        for r, k in enumerate(self._keys):
+        rounds = list(enumerate(self._keys))
+        for r, k in reversed(rounds) if backward else rounds:
             src, dst, mask = (
                 (high, low, self._low_mask) if r % 2 == 0 else (low, high, self._high_mask)
             )
@@ -122,15 +132,31 @@ class Permutation:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """The permuted index of each position (``int64``, same shape)."""
+        return self._walk(positions, backward=False)
+
+    def inverse(self, values: np.ndarray) -> np.ndarray:
+        """The position each value comes from: ``p.inverse(p(x)) == x``.
+
+        Example:
+            >>> p = Permutation(10, key=(0,))
+            >>> p.inverse(p(np.arange(10))).tolist() == list(range(10))
+            True
+        """
+        # Cycle walking backwards: the forward walk from ``x`` passes only through values
+        # at ``n`` or above before it lands, so the backward walk from where it landed
+        # stops at the first value below ``n``, which is ``x``.
+        return self._walk(values, backward=True)
+
+    def _walk(self, positions: np.ndarray, backward: bool) -> np.ndarray:
         x = np.asarray(positions, dtype=np.int64)
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"positions must lie in [0, {self.n})")
         n = self._word(self.n) if self.n < (1 << 32) or self._word is _U64 else None
         with np.errstate(over="ignore"):
-            y = self._rounds(x.astype(self._word))
+            y = self._rounds(x.astype(self._word), backward)
             out = np.flatnonzero(y >= n) if n is not None else np.empty(0, np.intp)
             while len(out):  # cycle walking
-                z = self._rounds(y[out])
+                z = self._rounds(y[out], backward)
                 y[out] = z
                 out = out[z >= n]
         return y.astype(np.int64)
@@ -152,6 +178,11 @@ class SampleOrder:
         num_workers, worker_index: this worker's share (or None).
         shuffle: whether each epoch reads its share in a new order.
         batch_size: batches are sorted inside when shuffling.
+        samples_per_record, window_records: the windowed shuffle (data larger than
+            memory): each epoch permutes the records, cuts them into windows of
+            ``window_records`` records (at most `WINDOW_SAMPLES` samples) and reads the
+            windows one after the other, each in a new order of its share's samples.
+            None (or a window as large as the data set): one order over all samples.
 
     Example:
         >>> order = SampleOrder(1000, seed=0, validation_split=0.2, subset="validation",
@@ -171,6 +202,8 @@ class SampleOrder:
         worker_index: int | None = None,
         shuffle: bool,
         batch_size: int,
+        samples_per_record: int = 0,
+        window_records: int | None = None,
     ):
         self.total = int(total)
         entropy = np.random.SeedSequence().entropy
@@ -192,6 +225,22 @@ class SampleOrder:
                 lo + n * (worker_index + 1) // num_workers,
             )
         self._lo, self._hi = lo, hi
+        self.spr = int(samples_per_record)
+        self.records = -(-self.total // self.spr) if self.spr > 0 else 0
+        self.window_records: int | None = None
+        if self.shuffle and window_records is not None and self.spr > 0:
+            w = max(1, min(int(window_records), WINDOW_SAMPLES // self.spr))
+            if w < self.records:
+                self.window_records = w
+        self._lock = threading.Lock()
+        self._counts: np.ndarray | None = None  # per record: samples of this share
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._windows: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def windowed(self) -> bool:
+        """Whether each epoch is read window by window (see the class docstring)."""
+        return self.window_records is not None
 
     @property
     def size(self) -> int:
@@ -216,6 +265,101 @@ class SampleOrder:
         out[self.subset_samples(np.arange(self.size, dtype=np.int64))] = True
         return out
 
+    def in_share(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each written sample index belongs to this share of this subset."""
+        p = ids if self._split is None else self._split.inverse(ids)
+        return (p >= self._lo) & (p < self._hi)
+
+    # ------------------------------------------------------------ windowed shuffle
+
+    def _record_counts(self) -> np.ndarray:
+        """Samples of this share in each record (computed once, in bounded steps)."""
+        with self._lock:
+            if self._counts is None:
+                counts = np.zeros(self.records, dtype=np.int64)
+                # Without a split the share is the run [lo, hi) of written samples.
+                lo, hi = (0, self.total) if self._split is not None else (self._lo, self._hi)
+                for a in range(lo, hi, _COUNT_CHUNK):
+                    ids = np.arange(a, min(hi, a + _COUNT_CHUNK), dtype=np.int64)
+                    if self._split is not None:
+                        ids = ids[self.in_share(ids)]
+                    counts += np.bincount(ids // self.spr, minlength=self.records)
+                self._counts = counts
+            return self._counts
+
+    def _epoch_windows(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch ``epoch``'s records in window order, and the stream position at which
+        each window starts (one more entry: ``size``)."""
+        with self._lock:
+            cached = self._epochs.get(epoch)
+        if cached is not None:
+            return cached
+        w = self.window_records
+        assert w is not None
+        records = Permutation(self.records, key=(self.seed, _RECORDS, epoch))(
+            np.arange(self.records, dtype=np.int64)
+        )
+        per_window = np.add.reduceat(self._record_counts()[records], np.arange(0, self.records, w))
+        starts = np.concatenate([[0], np.cumsum(per_window)]).astype(np.int64)
+        with self._lock:
+            self._epochs[epoch] = (records, starts)
+            while len(self._epochs) > 2:
+                del self._epochs[next(iter(self._epochs))]
+        return records, starts
+
+    def _window(self, epoch: int, k: int) -> np.ndarray:
+        """The written indices of window ``k``'s share samples, in its records' order."""
+        key = (epoch, k)
+        with self._lock:
+            cached = self._windows.get(key)
+        if cached is not None:
+            return cached
+        records, _ = self._epoch_windows(epoch)
+        w = self.window_records
+        assert w is not None
+        recs = records[k * w : (k + 1) * w]
+        ids = (recs[:, None] * self.spr + np.arange(self.spr, dtype=np.int64)).ravel()
+        ids = ids[ids < self.total]
+        ids = ids[self.in_share(ids)]
+        ids.flags.writeable = False
+        with self._lock:
+            self._windows[key] = ids
+            while len(self._windows) > 3:
+                del self._windows[next(iter(self._windows))]
+        return ids
+
+    def window_of(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The window that holds each stream position of epoch ``epoch`` (windowed)."""
+        _, starts = self._epoch_windows(epoch)
+        return np.searchsorted(starts, positions, side="right") - 1
+
+    def window_records_of(self, epoch: int, k: int) -> np.ndarray:
+        """The records of window ``k`` of epoch ``epoch`` (windowed), ``[]`` past the end."""
+        records, _ = self._epoch_windows(epoch)
+        w = self.window_records
+        assert w is not None
+        return records[k * w : (k + 1) * w]
+
+    def _windowed(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        _, starts = self._epoch_windows(epoch)
+        out = []
+        k = int(np.searchsorted(starts, start, side="right")) - 1
+        while start < stop:
+            lo, hi = int(starts[k]), int(starts[k + 1])
+            end = min(stop, hi)
+            if end > start:
+                ids = self._window(epoch, k)
+                n = hi - lo
+                q = np.arange(start - lo, end - lo, dtype=np.int64)
+                if n > 1:
+                    q = Permutation(n, key=(self.seed, _WINDOW, epoch, k))(q)
+                out.append(ids[q])
+                start = end
+            k += 1
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    # ------------------------------------------------------------ the epoch's order
+
     def samples(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Written indices of the epoch's stream positions ``[start, stop)``, batch by batch.
 
@@ -223,10 +367,13 @@ class SampleOrder:
         when shuffling (the same set of samples, read in file order).
         """
         stop = min(stop, self.size)
-        positions = np.arange(start, stop, dtype=np.int64)
-        if self.shuffle and self.size > 1:
-            positions = Permutation(self.size, key=(self.seed, _SHUFFLE, epoch))(positions)
-        ids = self.subset_samples(positions)
+        if self.windowed:
+            ids = self._windowed(epoch, start, stop)
+        else:
+            positions = np.arange(start, stop, dtype=np.int64)
+            if self.shuffle and self.size > 1:
+                positions = Permutation(self.size, key=(self.seed, _SHUFFLE, epoch))(positions)
+            ids = self.subset_samples(positions)
         if self.shuffle or self._split is not None:
             b = self.batch_size
             full = (len(ids) // b) * b

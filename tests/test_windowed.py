@@ -1,0 +1,234 @@
+"""Sample mode's windowed shuffle (`shuffle_window`): a data set larger than memory read by
+sample, window by window, with the split and the mixing of `fit(x, y, shuffle=True)`."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+from keras_tfr import source as source_module
+from keras_tfr.read import mapped
+from keras_tfr.read.order import WINDOW_SAMPLES, Permutation, SampleOrder
+
+SHARES = [
+    {},
+    {"validation_split": 0.2, "subset": "training"},
+    {"validation_split": 0.2, "subset": "validation"},
+    {"num_workers": 3, "worker_index": 2},
+    {"validation_split": 0.3, "subset": "training", "num_workers": 2, "worker_index": 0},
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 1000, 70_001, (1 << 33) + 5])
+def test_permutation_inverse_undoes_it(n):
+    p = Permutation(n, key=(3, 4))
+    rng = np.random.default_rng(0)
+    x = np.arange(n) if n < 100_000 else rng.integers(0, n, 50_000)
+    assert np.array_equal(p.inverse(p(x)), x)
+    assert np.array_equal(p(p.inverse(x)), x)
+    with pytest.raises(IndexError):
+        p.inverse(np.array([n]))
+
+
+def _orders(share, spr, window, batch_size=32, seed=1):
+    kw = dict(seed=seed, shuffle=True, batch_size=batch_size, **share)
+    windowed = SampleOrder(1003, samples_per_record=spr, window_records=window, **kw)
+    return windowed, SampleOrder(1003, **kw)
+
+
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("spr, window", [(7, 5), (100, 3), (1, 1), (64, 2)])
+def test_each_epoch_reads_its_share_once_in_an_order_of_seed_and_epoch(share, spr, window):
+    o, plain = _orders(share, spr, window)
+    assert o.windowed and o.size == plain.size
+    e2 = o.epoch(2)
+    assert len(e2) == o.size
+    assert np.array_equal(np.sort(e2), np.sort(plain.epoch(2)))  # the same samples
+    assert not np.array_equal(e2, o.epoch(3))
+    # A function of (seed, epoch): a new order, asked for a piece first (a resumed epoch),
+    # gives the same samples at the same positions.
+    again, _ = _orders(share, spr, window)
+    assert np.array_equal(again.samples(2, 64, 160), e2[64:160])
+    assert np.array_equal(
+        np.concatenate([again.samples(2, a, a + 96) for a in range(0, o.size, 96)]), e2
+    )
+    other, _ = _orders(share, spr, window, seed=2)
+    assert not np.array_equal(other.epoch(2), e2)
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_each_window_reads_only_its_own_records(share):
+    o, _ = _orders(share, spr=10, window=8, batch_size=1)
+    ids = o.epoch(0)
+    window = o.window_of(0, np.arange(o.size))
+    assert window[0] == 0 and (np.diff(window) >= 0).all()
+    assert len(np.unique(window)) > 5
+    for k in np.unique(window):
+        records = o.window_records_of(0, int(k))
+        assert set((ids[window == k] // 10).tolist()) <= set(records.tolist())
+    # Every record in exactly one window.
+    n_windows = -(-o.records // 8)
+    all_records = np.concatenate([o.window_records_of(0, k) for k in range(n_windows)])
+    assert np.array_equal(np.sort(all_records), np.arange(o.records))
+
+
+def test_a_window_covering_the_data_is_the_plain_order_and_a_window_is_capped():
+    o, plain = _orders({}, spr=7, window=1000)
+    assert not o.windowed
+    assert np.array_equal(o.epoch(1), plain.epoch(1))
+    unshuffled = SampleOrder(
+        1003, seed=1, shuffle=False, batch_size=8, samples_per_record=7, window_records=2
+    )
+    assert not unshuffled.windowed
+    big = SampleOrder(
+        8 * WINDOW_SAMPLES,
+        seed=0,
+        shuffle=True,
+        batch_size=8,
+        samples_per_record=1,
+        window_records=10**9,
+    )
+    assert big.window_records == WINDOW_SAMPLES
+
+
+@pytest.fixture(scope="module")
+def sorted_small_records(tmp_path_factory):
+    """10 classes x 2,000 samples sorted by class, in 16 KB records (about 330 of them);
+    x's first column is the sample's written index."""
+    d = str(tmp_path_factory.mktemp("windowed") / "ds")
+    n = 20_000
+    x = np.zeros((n, 60), np.float32)
+    x[:, 0] = np.arange(n)
+    x[:, 1:] = np.repeat(np.arange(10, dtype=np.float32), 2000)[:, None]
+    y = np.repeat(np.arange(10, dtype=np.int64), 2000)
+    ArraysToRecords.from_arrays(x, y, d, record_size="16KB", verbose=0)
+    return d, x, y
+
+
+def _check_batches(batches, x, y, expected_ids):
+    got = np.concatenate([b[0][:, 0] for b in batches]).astype(np.int64)
+    assert np.array_equal(got, expected_ids)
+    for bx, by in batches:  # bit for bit, features and labels together
+        ids = bx[:, 0].astype(np.int64)
+        assert np.array_equal(bx, x[ids]) and np.array_equal(by, y[ids])
+
+
+def test_a_windowed_source_reads_every_sample_once_in_its_order(sorted_small_records):
+    d, x, y = sorted_small_records
+    src = TFRecordSequenceSource(d, batch_size=256, seed=5, shuffle_window="1MB")
+    assert src.access == "samples" and src._order.windowed
+    for epoch in range(2):
+        order = src.sample_order(epoch)
+        assert np.array_equal(np.sort(order), np.arange(len(x)))
+        batches = [(a.numpy(), b.numpy()) for a, b in src]  # tf.data's iterator... or not
+        _check_batches(batches, x, y, order)
+    assert not np.array_equal(src.sample_order(0), src.sample_order(1))
+    _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(2))
+    # Resumed from a batch, as `BackupAndRestore` does it.
+    src.set_epoch(1, step=7)
+    _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(1)[7 * 256 :])
+
+
+def test_windowed_source_through_tf_data_and_fit(sorted_small_records):
+    import keras
+
+    d, x, y = sorted_small_records
+    src = TFRecordSequenceSource(d, batch_size=500, seed=5, shuffle_window="512KB")
+    assert src._order.windowed
+    # A transformed source runs the tf.data pipeline (TensorFlow gathers the batches).
+    batches = [(a.numpy(), b.numpy()) for a, b in src.map(lambda a, b: (a, b))]
+    _check_batches(batches, x, y, src.sample_order(0))
+    steps = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    model = keras.Sequential([keras.Input((60,)), keras.layers.Dense(10)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(src, epochs=2, verbose=0, callbacks=[Steps()])
+    assert np.isfinite(history.history["loss"]).all()
+    assert len(steps) == 2 * len(src) == 2 * 40
+
+
+def test_windows_mix_class_sorted_data_and_the_split_is_unchanged(sorted_small_records):
+    d, _, y = sorted_small_records
+    kw = dict(batch_size=256, seed=0, validation_split=0.1)
+    train = TFRecordSequenceSource(d, subset="training", shuffle_window="2MB", **kw)
+    assert train._order.windowed and train._order.window_records < train._order.records // 2
+    val = TFRecordSequenceSource(d, subset="validation", shuffle_window="2MB", **kw)
+    plain_val = TFRecordSequenceSource(d, subset="validation", shuffle_window=None, **kw)
+    assert np.array_equal(np.sort(val.sample_order(0)), np.sort(plain_val.sample_order(0)))
+    shares = np.bincount(y[val.sample_order(0)], minlength=10) / val.num_samples
+    assert np.abs(shares - 0.1).max() <= 0.03
+    skewed = full = 0
+    for epoch in range(3):
+        ids = train.sample_order(epoch)
+        for b in range(len(ids) // 256):
+            counts = np.bincount(y[ids[b * 256 : (b + 1) * 256]], minlength=10)
+            full += 1
+            skewed += counts.max() > 0.2 * 256
+    assert skewed <= 0.05 * full, (skewed, full)
+    # The windows matter: windows of one record (64 samples) give batches of 4 records.
+    narrow = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="16KB")
+    assert narrow._order.window_records == 1
+    ids = narrow.sample_order(0)
+    batches = ids[: len(ids) // 256 * 256].reshape(-1, 256)
+    skewed = [np.bincount(y[b], minlength=10).max() > 0.2 * 256 for b in batches]
+    assert np.mean(skewed) > 0.9
+
+
+def test_windows_are_read_ahead_and_dropped_once_read(sorted_small_records, monkeypatch):
+    d, _, _ = sorted_small_records
+    # Units of 4 batches, their order computed one unit at a time (on large data a window
+    # spans many units: here the whole epoch would be one).
+    monkeypatch.setattr(mapped, "_UNIT_BYTES", 256 << 10)
+    monkeypatch.setattr(mapped, "_ORDER_ROWS", 1024)
+    src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="256KB")
+    order = src._order
+    calls = []
+    real = mapped.MappedPlan.advise
+
+    def spy(self, records, advice):
+        calls.append((advice, tuple(np.sort(records).tolist())))
+        return real(self, records, advice)
+
+    monkeypatch.setattr(mapped.MappedPlan, "advise", spy)
+    list(src.as_numpy_iterator())
+    windows = [tuple(np.sort(order.window_records_of(0, k)).tolist()) for k in range(40)]
+    windows = [w for w in windows if w]
+    ahead = [r for a, r in calls if a == mapped._MADV_WILLNEED]
+    dropped = [r for a, r in calls if a == mapped._MADV_DONTNEED]
+    assert len(windows) > 4
+    assert sorted(ahead) == sorted(windows)  # each window read ahead once
+    assert len(set(dropped)) == len(dropped) and set(dropped) <= set(windows)
+    assert len(dropped) >= len(windows) - 3  # all but the last few dropped once read
+
+
+def test_auto_windows_data_larger_than_half_of_memory(sorted_small_records, monkeypatch, caplog):
+    d, _, _ = sorted_small_records
+    total = TFRecordSequenceSource(d, batch_size=64)._manifest.total_bytes
+    monkeypatch.setattr(source_module, "_memory_bytes", lambda: 4 * total)
+    assert not TFRecordSequenceSource(d, batch_size=64)._order.windowed
+    monkeypatch.setattr(source_module, "_memory_bytes", lambda: total)
+    with caplog.at_level(logging.INFO, logger="keras_tfr"):
+        src = TFRecordSequenceSource(d, batch_size=64, seed=0)
+    assert src.access == "samples" and src._order.windowed
+    window = 1 << ((total // 4).bit_length() - 1)  # a quarter of memory, a power of two
+    assert window <= total // 4 < 2 * window
+    assert src._order.window_records == window // src._manifest.record_bytes
+    assert "larger than half of this machine's memory" in caplog.text
+    assert not TFRecordSequenceSource(d, batch_size=64, shuffle_window=None)._order.windowed
+    assert not TFRecordSequenceSource(d, batch_size=64, shuffle=False)._order.windowed
+
+
+@pytest.mark.parametrize(
+    "bad, error", [("lots", ValueError), (0, ValueError), (-5, ValueError), (True, TypeError)]
+)
+def test_a_bad_shuffle_window_is_named(sorted_small_records, bad, error):
+    d, _, _ = sorted_small_records
+    with pytest.raises(error, match="shuffle_window"):
+        TFRecordSequenceSource(d, batch_size=64, shuffle_window=bad)
