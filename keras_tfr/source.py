@@ -1005,21 +1005,62 @@ def _choose_access(opts: SourceOptions, m: Manifest, specs: list[FeatureSpec]) -
 
 
 def _memory_bytes() -> int:
-    """This machine's physical memory in bytes (0 where it cannot be told)."""
+    """The memory this process can fill with page cache: the machine's, or its cgroup's
+    limit where that is lower (a container's); 0 where neither can be told."""
     try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        physical = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover
+        physical = 0
+    known = [m for m in (physical, cgroup_memory_limit()) if m > 0]
+    return min(known) if known else 0
+
+
+def cgroup_memory_limit(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int:
+    """The memory limit of this process's cgroup in bytes (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), 0 where there is none or it cannot be read. The page
+    cache of the shards a process reads is charged to its cgroup.
+
+    Example:
+        >>> cgroup_memory_limit("/nonexistent")
+        0
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
         return 0
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            file = os.path.join(root, path.lstrip("/"), "memory.max")
+        elif "memory" in controllers.split(","):
+            file = os.path.join(root, "memory", path.lstrip("/"), "memory.limit_in_bytes")
+        else:
+            continue
+        try:
+            with open(file) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v2 says "max" for no limit
+            limits.append(int(text))
+    return min(limits) if limits else 0
 
 
 def shuffle_window_bytes(shuffle_window: int | str | None, total_bytes: int) -> int | None:
     """The bytes of records that one window of sample mode's shuffle spans (None: the
     whole data set, one order over all samples).
 
-    ``"auto"``: the whole data set when it fits in half of this machine's memory (all of
-    it can stay in the page cache); a larger one in windows of a quarter of the memory,
-    rounded down to a power of two (so that machines of nearly the same memory give the
-    same order).
+    ``"auto"``: the whole data set when it fits in half of this machine's memory (or of
+    its cgroup's memory limit, where lower: all of it can stay in the page cache); a
+    larger one in windows of a quarter of that memory, rounded down to a power of two
+    (so that machines of nearly the same memory give the same order).
 
     Example:
         >>> shuffle_window_bytes("256MB", 10**12)

@@ -64,6 +64,11 @@ BAD_ARGS = [
     (dict(shuffle_memory=0), ValueError, "`shuffle_memory`"),
     (dict(shuffle_memory=True), TypeError, "`shuffle_memory`"),
     (dict(shuffle_memory=1.5), TypeError, "`shuffle_memory`"),
+    (dict(shuffle_window="lots"), ValueError, "`shuffle_window`"),
+    (dict(shuffle_window=0), ValueError, "`shuffle_window`"),
+    (dict(shuffle_window=-5), ValueError, "`shuffle_window`"),
+    (dict(shuffle_window=True), TypeError, "`shuffle_window`"),
+    (dict(shuffle_window=1.5), TypeError, "`shuffle_window`"),
     (dict(num_parallel_reads=0), ValueError, "`num_parallel_reads`"),
     (dict(num_parallel_reads=-2), ValueError, "`num_parallel_reads`"),
 ]

@@ -225,10 +225,25 @@ def test_auto_windows_data_larger_than_half_of_memory(sorted_small_records, monk
     assert not TFRecordSequenceSource(d, batch_size=64, shuffle=False)._order.windowed
 
 
-@pytest.mark.parametrize(
-    "bad, error", [("lots", ValueError), (0, ValueError), (-5, ValueError), (True, TypeError)]
-)
-def test_a_bad_shuffle_window_is_named(sorted_small_records, bad, error):
-    d, _, _ = sorted_small_records
-    with pytest.raises(error, match="shuffle_window"):
-        TFRecordSequenceSource(d, batch_size=64, shuffle_window=bad)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_memory_limit_counts_as_the_memory(tmp_path, monkeypatch, version):
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    if version == 2:
+        proc.write_text("0::/job/7\n")
+        (root / "job" / "7").mkdir(parents=True)
+        limit_file = root / "job" / "7" / "memory.max"
+    else:
+        proc.write_text("5:cpu,cpuacct:/job/7\n4:memory:/job/7\n")
+        (root / "memory" / "job" / "7").mkdir(parents=True)
+        limit_file = root / "memory" / "job" / "7" / "memory.limit_in_bytes"
+    limit_file.write_text("2147483648\n")
+    assert source_module.cgroup_memory_limit(str(proc), str(root)) == 2 << 30
+    limit_file.write_text("max\n")  # v2's "no limit"
+    assert source_module.cgroup_memory_limit(str(proc), str(root)) == 0
+    assert source_module.cgroup_memory_limit(str(tmp_path / "missing"), str(root)) == 0
+    # The lower of the machine's memory and the cgroup's limit.
+    monkeypatch.setattr(source_module, "cgroup_memory_limit", lambda: 1 << 30)
+    assert source_module._memory_bytes() == 1 << 30
+    monkeypatch.setattr(source_module, "cgroup_memory_limit", lambda: 1 << 62)
+    assert 0 < source_module._memory_bytes() < 1 << 62

@@ -846,15 +846,19 @@ class Epoch:
 
     def _advise_windows(self, lo: int, hi: int) -> None:
         """The windowed shuffle reads a window's records, then the next window's: read the
-        windows of positions ``[lo, hi)`` and the one after them ahead, and drop from the
-        mapping the pages of windows read through (so that this process's RSS holds about
-        three windows of the data, not all of it)."""
+        windows of positions ``[lo, hi)`` ahead, and the next one once these positions
+        come within ``hi - lo`` of it; drop from the mapping the pages of windows read
+        through. So the pages an epoch keeps are about one window's, and the next one's
+        are read while the current one is consumed."""
         order = self.plan.order
-        first, last = (int(k) for k in order.window_of(self.number, np.array([lo, hi - 1])))
+        ahead_of = min(hi + (hi - lo), order.size) - 1
+        first, last = (
+            int(k) for k in order.window_of(self.number, np.array([lo, max(hi - 1, ahead_of)]))
+        )
         with self._lock:
-            ahead = [k for k in range(first, last + 2) if k not in self._advised]
+            ahead = [k for k in range(first, last + 1) if k not in self._advised]
             self._advised.update(ahead)
-            done = [k for k in self._advised if k < first - 1 and k not in self._dropped]
+            done = [k for k in self._advised if k < first and k not in self._dropped]
             self._dropped.update(done)
         for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
             for k in ks:

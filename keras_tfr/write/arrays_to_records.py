@@ -163,9 +163,9 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
             shuffle_seed: write the samples in the order of a permutation seeded by this
                 int (arrays only), so that every record holds samples from across the
                 input. Sample mode reads by sample and gains nothing from it; block mode
-                (remote storage, compressed shards, variable-length features, data larger
-                than half of memory), which splits and shuffles whole records, then mixes
-                class-sorted input as sample mode does. The input is read at random, a
+                (remote storage, compressed shards, variable-length features), which
+                splits and shuffles whole records, then mixes class-sorted input as
+                sample mode does. The input is read at random, a
                 chunk at a time, each chunk in increasing index order (for a memmap or an
                 h5py data set on a spinning disk, slow). The manifest records the seed; a
                 resumed conversion must be given the same. ``None`` (default): the order

@@ -1,0 +1,235 @@
+"""Data larger than memory: each reader in a cgroup whose memory limit is below the data.
+
+The case keras-tfr is for, measured for real: a container (here a memory cgroup) whose
+limit holds a fraction of the data set, so that every epoch reads most of it from disk.
+The page cache of what a process reads is charged to its cgroup, and keras-tfr's
+``shuffle_window="auto"`` sees the cgroup's limit (`keras_tfr.source.cgroup_memory_limit`).
+Each reader runs in a process of its own inside the cgroup, after the page cache is
+dropped, for one epoch or ``--seconds``, whichever ends first, batch 256, shuffled:
+
+* ``window``: keras-tfr's default here: sample mode, shuffled window by window (windows
+  of a quarter of the limit, read ahead a record at a time, dropped once read);
+* ``global``: sample mode with ``shuffle_window=None``: one order over all samples, so
+  that nearly every sample read is a page fault that goes to the disk;
+* ``blocks``: ``access="blocks"``: whole records in sequence, shuffled in a buffer;
+* ``memmap``: the peer, a memory-mapped ``.npy`` gathered by a sorted random index in
+  4 threads (`run_all.py`'s).
+
+It prints each reader's rate, the megabytes the data's block device served per megabyte
+of samples delivered (read amplification: 1.0 reads each byte once), the requests, and the
+peak of the cgroup's memory use and of the process's RSS. Root only (cgroup v1 or v2,
+``/proc/sys/vm/drop_caches``)::
+
+    python benchmarks/larger_than_memory.py --data-dir /work/bench-data [--scale 6] \\
+        [--limit-mb 1536] [--seconds 60] [--readers window,global,blocks,memmap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cold_read import counters, device_stat_path, drop_page_cache
+from run_all import BATCH, PEER_THREADS, SHAPES, _paths, work_gen
+
+READERS = {
+    "window": "keras-tfr, sample mode, windows (default)",
+    "global": "keras-tfr, sample mode, shuffle_window=None",
+    "blocks": 'keras-tfr, access="blocks"',
+    "memmap": f"memmap + {PEER_THREADS} threads (sorted gather)",
+}
+
+_CHILD = r"""
+import json, os, resource, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+here, reader, p, seconds = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+sys.path.insert(0, here)
+from run_all import BATCH, PEER_THREADS, _memmap_batches
+
+if reader == "memmap":
+    batch, steps = _memmap_batches(p, 0)
+    pool = ThreadPoolExecutor(PEER_THREADS)
+    batches = pool.map(batch, range(steps))
+    info = {}
+else:
+    from keras_tfr import TFRecordSequenceSource
+
+    kw = {"access": "blocks"} if reader == "blocks" else {}
+    if reader == "global":
+        kw["shuffle_window"] = None
+    src = TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, seed=0, **kw)
+    order = src._order
+    info = {
+        "access": src.access,
+        "window_records": getattr(order, "window_records", None),
+    }
+    batches = src.as_numpy_iterator() if src.access == "samples" else iter(src)
+print("READY", flush=True)
+sys.stdin.readline()
+t = time.perf_counter()
+n = nbytes = 0
+for b in batches:
+    x, y = np.asarray(b[0]), np.asarray(b[1])  # block mode: tensors, copied here
+    n += int(y.shape[0])
+    nbytes += int(x.nbytes) + int(y.nbytes)
+    if time.perf_counter() - t > seconds:
+        break
+elapsed = time.perf_counter() - t
+print("DONE", flush=True)
+sys.stdin.readline()
+info.update(samples=n, mb=nbytes / 1e6, seconds=elapsed,
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print("RESULT " + json.dumps(info), flush=True)
+os._exit(0)
+"""
+
+
+class Cgroup:
+    """A memory cgroup of its own (v2 where mounted so, else v1), removed at the end."""
+
+    def __init__(self, limit: int):
+        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        base = "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory"
+        self.path = os.path.join(base, f"keras_tfr_bench_{os.getpid()}")
+        self.v2 = v2
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            name = "memory.max" if v2 else "memory.limit_in_bytes"
+            with open(os.path.join(self.path, name), "w") as f:
+                f.write(str(limit))
+        except OSError as e:
+            raise SystemExit(f"cannot make a memory cgroup at {self.path} ({e}): run as root") from e
+
+    def join(self) -> None:  # in the child, before exec
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def peak_mb(self) -> float:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                return int(f.read()) / 1e6
+        except (OSError, ValueError):
+            return float("nan")
+
+    def reset_peak(self) -> None:
+        if not self.v2:
+            with open(os.path.join(self.path, "memory.max_usage_in_bytes"), "w") as f:
+                f.write("0")
+
+    def remove(self) -> None:
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def run_reader(reader: str, p: dict[str, str], stat: str, group: Cgroup, seconds: float) -> dict:
+    drop_page_cache()
+    group.reset_peak()
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, here, reader, json.dumps(p), str(seconds)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        preexec_fn=group.join,
+    )
+    assert child.stdin is not None and child.stdout is not None
+
+    def wait_for(word: str) -> None:
+        for line in child.stdout:
+            if line.strip() == word:
+                return
+        raise SystemExit(f"{reader}: the child ended before {word} (exit {child.wait()})")
+
+    wait_for("READY")
+    before = counters(stat)
+    child.stdin.write("\n")
+    child.stdin.flush()
+    wait_for("DONE")
+    after = counters(stat)
+    child.stdin.write("\n")
+    child.stdin.flush()
+    out, _ = child.communicate(timeout=600)
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        raise SystemExit(f"{reader} failed (exit {child.returncode})")
+    res = json.loads(line[0][len("RESULT ") :])
+    res.update(
+        requests=after[0] - before[0],
+        mb_read=(after[1] - before[1]) * 512 / 1e6,
+        cgroup_peak_mb=group.peak_mb(),
+    )
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--shape", default="small", choices=["small", "large"])
+    ap.add_argument("--scale", type=int, default=6, help="times the shape's 0.5-0.8 GB")
+    ap.add_argument("--limit-mb", type=int, default=1536, help="the cgroup's memory limit")
+    ap.add_argument("--seconds", type=float, default=60.0, help="per reader, at most")
+    ap.add_argument("--readers", default=",".join(READERS))
+    args = ap.parse_args(argv)
+    readers = args.readers.split(",")
+    unknown = sorted(set(readers) - set(READERS))
+    if unknown:
+        ap.error(f"unknown readers {unknown}; choose from {list(READERS)}")
+    shape = SHAPES[args.shape]
+    n = shape["samples"] * args.scale
+    p = _paths(args.data_dir, args.shape, args.scale)
+    if not os.path.exists(os.path.join(p["ktfr"], "manifest.json")):
+        print(f"writing {n:,} x {shape['shape']} float32 to {p['base']} ...", flush=True)
+        work_gen(p, n, shape["shape"])
+        from keras_tfr import ArraysToRecords
+
+        x, y = np.load(p["x"], mmap_mode="r"), np.load(p["y"], mmap_mode="r")
+        ArraysToRecords.from_arrays(x, y, p["ktfr"], verbose=0)
+    stat = device_stat_path(p["ktfr"])
+    data_mb = sum(
+        os.path.getsize(os.path.join(p["ktfr"], f)) for f in os.listdir(p["ktfr"])
+    ) / 1e6
+    group = Cgroup(args.limit_mb << 20)
+    try:
+        results = {r: run_reader(r, p, stat, group, args.seconds) for r in readers}
+    finally:
+        group.remove()
+    print(
+        f"{args.shape} x{args.scale}: {n:,} x {shape['shape']} float32 ({data_mb:,.0f} MB of "
+        f"shards), batch {BATCH}, shuffled, in a cgroup of {args.limit_mb:,} MiB; page cache "
+        f"dropped before each reader; one epoch or {args.seconds:.0f} s"
+    )
+    print(
+        f"{'reader':44s} {'ex/s':>9s} {'read/MB':>8s} {'requests':>9s} {'cgroup peak':>12s} "
+        f"{'peak RSS':>9s}  notes"
+    )
+    for r in readers:
+        res = results[r]
+        rate = res["samples"] / res["seconds"]
+        amp = res["mb_read"] / max(res["mb"], 1e-9)
+        note = f"{res['samples']:,} samples in {res['seconds']:.0f} s"
+        if res.get("window_records"):
+            note += f"; windows of {res['window_records']} records"
+        print(
+            f"{READERS[r]:44s} {rate:9,.0f} {amp:8.2f} {res['requests']:9,} "
+            f"{res['cgroup_peak_mb']:10,.0f}MB {res['peak_rss_mb']:7,.0f}MB  {note}"
+        )
+    print("JSON " + json.dumps({"limit_mb": args.limit_mb, "data_mb": data_mb, **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
