@@ -22,6 +22,9 @@ peak of the cgroup's memory use and of the process's RSS. Root only (cgroup v1 o
 
     python benchmarks/larger_than_memory.py --data-dir /work/bench-data [--scale 6] \\
         [--limit-mb 1536] [--seconds 60] [--readers window,global,blocks,memmap]
+
+``--no-limit --window 256MB`` runs the same readers where the data fits in memory (no
+cgroup, the page cache warm after a first epoch): what windows cost there.
 """
 
 from __future__ import annotations
@@ -53,27 +56,32 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 here, reader, p, seconds = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+window, warm = sys.argv[5], sys.argv[6] == "warm"
 sys.path.insert(0, here)
 from run_all import BATCH, PEER_THREADS, _memmap_batches
 
-if reader == "memmap":
-    batch, steps = _memmap_batches(p, 0)
-    pool = ThreadPoolExecutor(PEER_THREADS)
-    batches = pool.map(batch, range(steps))
-    info = {}
-else:
+def epoch():
+    if reader == "memmap":
+        batch, steps = _memmap_batches(p, 0)
+        return ThreadPoolExecutor(PEER_THREADS).map(batch, range(steps))
+    return SRC.as_numpy_iterator() if SRC.access == "samples" else iter(SRC)
+
+
+info = {}
+if reader != "memmap":
     from keras_tfr import TFRecordSequenceSource
 
     kw = {"access": "blocks"} if reader == "blocks" else {}
     if reader == "global":
         kw["shuffle_window"] = None
-    src = TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, seed=0, **kw)
-    order = src._order
-    info = {
-        "access": src.access,
-        "window_records": getattr(order, "window_records", None),
-    }
-    batches = src.as_numpy_iterator() if src.access == "samples" else iter(src)
+    elif reader == "window" and window != "auto":
+        kw["shuffle_window"] = window
+    SRC = TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, seed=0, **kw)
+    info = {"access": SRC.access, "window_records": getattr(SRC._order, "window_records", None)}
+if warm:  # an epoch first: the page cache and the checks warm
+    for _ in epoch():
+        pass
+batches = epoch()
 print("READY", flush=True)
 sys.stdin.readline()
 t = time.perf_counter()
@@ -108,7 +116,9 @@ class Cgroup:
             with open(os.path.join(self.path, name), "w") as f:
                 f.write(str(limit))
         except OSError as e:
-            raise SystemExit(f"cannot make a memory cgroup at {self.path} ({e}): run as root") from e
+            raise SystemExit(
+                f"cannot make a memory cgroup at {self.path} ({e}): run as root"
+            ) from e
 
     def join(self) -> None:  # in the child, before exec
         with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
@@ -134,17 +144,21 @@ class Cgroup:
             pass
 
 
-def run_reader(reader: str, p: dict[str, str], stat: str, group: Cgroup, seconds: float) -> dict:
-    drop_page_cache()
-    group.reset_peak()
+def run_reader(
+    reader: str, p: dict[str, str], stat: str, group: Cgroup | None, seconds: float, window: str
+) -> dict:
+    if group is not None:
+        drop_page_cache()
+        group.reset_peak()
     here = os.path.dirname(os.path.abspath(__file__))
+    warm = "cold" if group is not None else "warm"
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, here, reader, json.dumps(p), str(seconds)],
+        [sys.executable, "-c", _CHILD, here, reader, json.dumps(p), str(seconds), window, warm],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        preexec_fn=group.join,
+        preexec_fn=group.join if group is not None else None,
     )
     assert child.stdin is not None and child.stdout is not None
 
@@ -170,7 +184,7 @@ def run_reader(reader: str, p: dict[str, str], stat: str, group: Cgroup, seconds
     res.update(
         requests=after[0] - before[0],
         mb_read=(after[1] - before[1]) * 512 / 1e6,
-        cgroup_peak_mb=group.peak_mb(),
+        cgroup_peak_mb=group.peak_mb() if group is not None else float("nan"),
     )
     return res
 
@@ -183,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-mb", type=int, default=1536, help="the cgroup's memory limit")
     ap.add_argument("--seconds", type=float, default=60.0, help="per reader, at most")
     ap.add_argument("--readers", default=",".join(READERS))
+    ap.add_argument(
+        "--window", default="auto", help="the window reader's shuffle_window (default auto)"
+    )
+    ap.add_argument(
+        "--no-limit",
+        action="store_true",
+        help="no cgroup and no dropped page cache: an epoch first, then the timed one "
+        "(what windows cost where the data fits in memory)",
+    )
     args = ap.parse_args(argv)
     readers = args.readers.split(",")
     unknown = sorted(set(readers) - set(READERS))
@@ -199,18 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         x, y = np.load(p["x"], mmap_mode="r"), np.load(p["y"], mmap_mode="r")
         ArraysToRecords.from_arrays(x, y, p["ktfr"], verbose=0)
     stat = device_stat_path(p["ktfr"])
-    data_mb = sum(
-        os.path.getsize(os.path.join(p["ktfr"], f)) for f in os.listdir(p["ktfr"])
-    ) / 1e6
-    group = Cgroup(args.limit_mb << 20)
+    data_mb = sum(os.path.getsize(os.path.join(p["ktfr"], f)) for f in os.listdir(p["ktfr"])) / 1e6
+    group = None if args.no_limit else Cgroup(args.limit_mb << 20)
     try:
-        results = {r: run_reader(r, p, stat, group, args.seconds) for r in readers}
+        results = {r: run_reader(r, p, stat, group, args.seconds, args.window) for r in readers}
     finally:
-        group.remove()
+        if group is not None:
+            group.remove()
+    where = (
+        "no memory limit, a warm-up epoch first (page cache warm)"
+        if group is None
+        else f"in a cgroup of {args.limit_mb:,} MiB; page cache dropped before each reader"
+    )
     print(
         f"{args.shape} x{args.scale}: {n:,} x {shape['shape']} float32 ({data_mb:,.0f} MB of "
-        f"shards), batch {BATCH}, shuffled, in a cgroup of {args.limit_mb:,} MiB; page cache "
-        f"dropped before each reader; one epoch or {args.seconds:.0f} s"
+        f"shards), batch {BATCH}, shuffled, {where}; one epoch or {args.seconds:.0f} s"
     )
     print(
         f"{'reader':44s} {'ex/s':>9s} {'read/MB':>8s} {'requests':>9s} {'cgroup peak':>12s} "

@@ -482,7 +482,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         opts = self._cfg
         m = self._manifest
 
-        window = shuffle_window_bytes(opts.shuffle_window, m.total_bytes) if opts.shuffle else None
+        window = shuffle_window_bytes(opts.shuffle_window, m.total_bytes)
         window_records = None if window is None else max(1, window // max(1, m.record_bytes))
 
         def share(worker: int | None) -> _order.SampleOrder:

@@ -247,3 +247,39 @@ def test_a_containers_memory_limit_counts_as_the_memory(tmp_path, monkeypatch, v
     assert source_module._memory_bytes() == 1 << 30
     monkeypatch.setattr(source_module, "cgroup_memory_limit", lambda: 1 << 62)
     assert 0 < source_module._memory_bytes() < 1 << 62
+
+
+@pytest.mark.parametrize("share", [s for s in SHARES if "validation_split" in s])
+@pytest.mark.parametrize("chunk", [50, 1 << 20])
+def test_unshuffled_with_windows_reads_a_subset_in_written_order(share, chunk, monkeypatch):
+    """Unshuffled, a split's subset is read in the split's (random) order; where windows
+    are asked for, in written order: a scan of the shards, not random reads from disk."""
+    from keras_tfr.read import order as order_module
+
+    monkeypatch.setattr(order_module, "_COUNT_CHUNK", chunk)  # records looked at per step
+    kw = dict(seed=1, shuffle=False, batch_size=32, **share)
+    o = SampleOrder(10_003, samples_per_record=7, window_records=5, **kw)
+    plain = SampleOrder(10_003, **kw)
+    assert o.in_written_order and not o.windowed
+    e = o.epoch(0)
+    assert np.array_equal(e, np.sort(plain.epoch(0)))
+    pieces = [o.samples(0, a, a + 64) for a in range(0, o.size, 64)]
+    assert np.array_equal(np.concatenate(pieces), e)
+    assert not SampleOrder(
+        10_003, samples_per_record=7, window_records=10**6, **kw
+    ).in_written_order
+    # Without a split, unshuffled is the written order already.
+    no_split = {k: v for k, v in share.items() if k in ("num_workers", "worker_index")}
+    kw = dict(seed=1, shuffle=False, batch_size=32, **no_split)
+    o = SampleOrder(10_003, samples_per_record=7, window_records=5, **kw)
+    assert not o.in_written_order and (np.diff(o.epoch(0)) == 1).all()
+
+
+def test_an_unshuffled_validation_subset_of_windowed_data_is_a_scan(sorted_small_records):
+    d, x, y = sorted_small_records
+    kw = dict(batch_size=256, seed=0, validation_split=0.1, subset="validation", shuffle=False)
+    val = TFRecordSequenceSource(d, shuffle_window="1MB", **kw)
+    plain = TFRecordSequenceSource(d, shuffle_window=None, **kw)
+    order = val.sample_order(0)
+    assert np.array_equal(order, np.sort(plain.sample_order(0)))
+    _check_batches(list(val.as_numpy_iterator()), x, y, order)

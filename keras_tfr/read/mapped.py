@@ -17,7 +17,9 @@ How:
 * **Order.** `keras_tfr.read.order.SampleOrder` says which written samples each stream
   position of an epoch holds (split, worker share, seeded shuffle); the reader only
   follows it. Unit ``i`` covers whole batches (about 8 MB); the next units are gathered
-  while the current one is consumed.
+  while the current one is consumed. With the windowed shuffle (data larger than
+  memory), each window's records are read ahead with ``madvise(MADV_WILLNEED)`` and
+  dropped from the mapping (``MADV_DONTNEED``) once the order has moved past them.
 * **Checks.** Before a sample of record ``r`` is handed out, record ``r`` has passed its
   checks: it lies inside the file, its length field and the length's CRC are what the
   layout says, the CRC-32C of its data matches (hardware CRC over the mapped bytes, in

@@ -20,6 +20,11 @@ Sample mode (``access="samples"``, the default where random access is cheap):
   then sorted by position on disk (the batch is the same set, and reading it in file
   order is kinder to the page cache), as a memory-mapped array gathered by a sorted index
   would be.
+* **Windows.** For data larger than memory (``shuffle_window``), epoch ``e`` permutes the
+  records (``R(seed, e)``), cuts them into windows of ``window_records`` records, and
+  reads the windows in turn, each in the order of a permutation ``W(seed, e, k)`` of the
+  share's samples in its records: the pages an epoch needs at a time are one window's.
+  The split and the shares are the same samples as without windows.
 
 Block mode (``access="blocks"``: remote storage, compressed shards, variable-length
 features, the tf.data service) reads whole records in sequence; its shuffle is the graph
@@ -228,12 +233,20 @@ class SampleOrder:
         self.spr = int(samples_per_record)
         self.records = -(-self.total // self.spr) if self.spr > 0 else 0
         self.window_records: int | None = None
-        if self.shuffle and window_records is not None and self.spr > 0:
+        # Unshuffled, a subset of a split is read in the order of the split's permutation
+        # (each batch sorted), which is random over the whole data set; where windows are
+        # asked for (data larger than memory) it is read in written order instead: a scan.
+        self.in_written_order = False
+        if window_records is not None and self.spr > 0:
             w = max(1, min(int(window_records), WINDOW_SAMPLES // self.spr))
             if w < self.records:
-                self.window_records = w
+                if self.shuffle:
+                    self.window_records = w
+                else:
+                    self.in_written_order = self._split is not None
         self._lock = threading.Lock()
         self._counts: np.ndarray | None = None  # per record: samples of this share
+        self._before: np.ndarray | None = None  # per record: share samples before it
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._windows: dict[tuple[int, int], np.ndarray] = {}
 
@@ -275,17 +288,20 @@ class SampleOrder:
     def _record_counts(self) -> np.ndarray:
         """Samples of this share in each record (computed once, in bounded steps)."""
         with self._lock:
-            if self._counts is None:
-                counts = np.zeros(self.records, dtype=np.int64)
-                # Without a split the share is the run [lo, hi) of written samples.
-                lo, hi = (0, self.total) if self._split is not None else (self._lo, self._hi)
-                for a in range(lo, hi, _COUNT_CHUNK):
-                    ids = np.arange(a, min(hi, a + _COUNT_CHUNK), dtype=np.int64)
-                    if self._split is not None:
-                        ids = ids[self.in_share(ids)]
-                    counts += np.bincount(ids // self.spr, minlength=self.records)
-                self._counts = counts
-            return self._counts
+            return self._counts_unlocked()
+
+    def _counts_unlocked(self) -> np.ndarray:
+        if self._counts is None:
+            counts = np.zeros(self.records, dtype=np.int64)
+            # Without a split the share is the run [lo, hi) of written samples.
+            lo, hi = (0, self.total) if self._split is not None else (self._lo, self._hi)
+            for a in range(lo, hi, _COUNT_CHUNK):
+                ids = np.arange(a, min(hi, a + _COUNT_CHUNK), dtype=np.int64)
+                if self._split is not None:
+                    ids = ids[self.in_share(ids)]
+                counts += np.bincount(ids // self.spr, minlength=self.records)
+            self._counts = counts
+        return self._counts
 
     def _epoch_windows(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Epoch ``epoch``'s records in window order, and the stream position at which
@@ -358,6 +374,24 @@ class SampleOrder:
             k += 1
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
+    def _in_written_order(self, start: int, stop: int) -> np.ndarray:
+        """The share's samples ``start`` to ``stop - 1`` in increasing written index."""
+        with self._lock:
+            if self._before is None:
+                self._before = np.concatenate([[0], np.cumsum(self._counts_unlocked())])
+            before = self._before
+        r = int(np.searchsorted(before, start, side="right")) - 1
+        out, skip, want = [], start - int(before[r]), stop - start
+        while want > 0 and r < self.records:
+            # Records in steps of about a million samples: memory does not grow with a
+            # small subset's spread.
+            r_end = min(self.records, r + max(1, _COUNT_CHUNK // self.spr))
+            ids = np.arange(r * self.spr, min(r_end * self.spr, self.total), dtype=np.int64)
+            ids = ids[self.in_share(ids)][skip : skip + want]
+            out.append(ids)
+            skip, want, r = 0, want - len(ids), r_end
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
     # ------------------------------------------------------------ the epoch's order
 
     def samples(self, epoch: int, start: int, stop: int) -> np.ndarray:
@@ -369,6 +403,8 @@ class SampleOrder:
         stop = min(stop, self.size)
         if self.windowed:
             ids = self._windowed(epoch, start, stop)
+        elif self.in_written_order:
+            ids = self._in_written_order(start, stop)
         else:
             positions = np.arange(start, stop, dtype=np.int64)
             if self.shuffle and self.size > 1:
