@@ -108,11 +108,13 @@ class TFRecordSequenceSource(tf.data.Dataset):
             bytes (at most 4,194,304 samples), and reads the windows one after the other,
             each in a new order of its samples; the window's records are read ahead
             from disk a record at a time and dropped from the mapping once read. What
-            a data set larger than memory needs: the pages an epoch reads stay within
-            about three windows, and a batch still mixes samples of many records drawn
-            from the whole data set. ``"auto"`` (default): None when the data set fits
-            in half of this machine's memory, else a quarter of the memory (rounded down
-            to a power of two). The split is the same either way.
+            a data set larger than memory needs: the pages an epoch needs at a time are
+            about one window's, and a batch still mixes samples of many records drawn
+            from the whole data set. With a window, ``shuffle=False`` reads a split's
+            subset in written order (a scan). ``"auto"`` (default): None when the data
+            set fits in half of this machine's memory (or of its cgroup's limit, where
+            lower), else a quarter of it, rounded down to a power of two. The split is
+            the same either way.
         on_corrupt: ``"raise"`` (default) stops at a damaged record with a
             `CorruptRecordError` naming its file and byte offset; ``"skip"`` logs it, drops
             it and fills the epoch with other samples, so the step count stays the one
@@ -502,15 +504,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
         order = share(opts.worker_index)
         if order.windowed and self._access == "samples":
             assert order.window_records is not None and window is not None
+            why = ""
+            if opts.shuffle_window == "auto":
+                why = (
+                    f": it is larger than half of the memory ({_memory_bytes() / 1e9:.1f} GB, "
+                    "the machine's or its cgroup's limit)"
+                )
             log.info(
                 "keras-tfr: %s is shuffled in windows of %d records (%.2f GB, of %.2f GB)%s",
                 opts.directory,
                 order.window_records,
                 order.window_records * m.record_bytes / 1e9,
                 m.total_bytes / 1e9,
-                ": it is larger than half of this machine's memory"
-                if opts.shuffle_window == "auto"
-                else "",
+                why,
             )
         self._num_samples = order.size
         if opts.num_workers is None:
@@ -1038,18 +1044,21 @@ def cgroup_memory_limit(
             continue
         _, controllers, path = parts
         if controllers == "":
-            file = os.path.join(root, path.lstrip("/"), "memory.max")
+            base, name = root, "memory.max"
         elif "memory" in controllers.split(","):
-            file = os.path.join(root, "memory", path.lstrip("/"), "memory.limit_in_bytes")
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
         else:
             continue
-        try:
-            with open(file) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # v2 says "max" for no limit
-            limits.append(int(text))
+        # The process's own cgroup; inside a container whose cgroup namespace hides the
+        # path, the root of what it sees is that cgroup.
+        for file in {os.path.join(base, path.lstrip("/"), name), os.path.join(base, name)}:
+            try:
+                with open(file) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():  # v2 says "max" for no limit
+                limits.append(int(text))
     return min(limits) if limits else 0
 
 
@@ -1059,8 +1068,9 @@ def shuffle_window_bytes(shuffle_window: int | str | None, total_bytes: int) -> 
 
     ``"auto"``: the whole data set when it fits in half of this machine's memory (or of
     its cgroup's memory limit, where lower: all of it can stay in the page cache); a
-    larger one in windows of a quarter of that memory, rounded down to a power of two
-    (so that machines of nearly the same memory give the same order).
+    larger one in windows of a quarter of that memory, rounded down to a power of two (so
+    that machines of nearly the same memory give the same order, and a window and the
+    next one's read-ahead stay within half of the memory).
 
     Example:
         >>> shuffle_window_bytes("256MB", 10**12)

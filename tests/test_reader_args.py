@@ -136,9 +136,10 @@ def test_readme_states_the_reader_signature_and_defaults():
     for arg, default in zip(fn.args.kwonlyargs, fn.args.kw_defaults):
         assert params[arg.arg].kind is inspect.Parameter.KEYWORD_ONLY, arg.arg
         stated[arg.arg] = ast.literal_eval(default)
-    assert len(stated) == 13 and "deterministic" in stated, stated  # the whole block
+    assert len(stated) == 14 and "deterministic" in stated, stated  # the whole block
     assert stated["batch_size"] == 32 and stated["verify"] == "first_read"
     assert stated["max_corrupt_records"] == 100 and stated["shuffle_memory"] == "64MB"
+    assert stated["shuffle_window"] == "auto"
     assert stated["shuffle"] is True
     fields = {f.name: f.default for f in SourceOptions.__dataclass_fields__.values()}
     for name, value in stated.items():
