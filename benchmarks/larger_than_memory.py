@@ -21,10 +21,13 @@ peak of the cgroup's memory use and of the process's RSS. Root only (cgroup v1 o
 ``/proc/sys/vm/drop_caches``)::
 
     python benchmarks/larger_than_memory.py --data-dir /work/bench-data [--scale 6] \\
-        [--limit-mb 1536] [--seconds 60] [--readers window,global,blocks,memmap]
+        [--limit-mb 1536] [--seconds 45] [--readers window,global,blocks,memmap]
 
 ``--no-limit --window 256MB`` runs the same readers where the data fits in memory (no
-cgroup, the page cache warm after a first epoch): what windows cost there.
+cgroup, the page cache warm after a first epoch): what windows cost there. The ``-fit``
+readers train Flatten + Dense 10 (`run_all.py`'s model, the small shape) on the same
+data for one epoch or ``--seconds`` (the ``memmap`` one through a ``keras.utils.PyDataset``
+with 4 workers), from a cold page cache.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ READERS = {
     "global": "keras-tfr, sample mode, shuffle_window=None",
     "blocks": 'keras-tfr, access="blocks"',
     "memmap": f"memmap + {PEER_THREADS} threads (sorted gather)",
+    "window-fit": "fit: keras-tfr, sample mode, windows",
+    "blocks-fit": 'fit: keras-tfr, access="blocks"',
+    "memmap-fit": f"fit: memmap + PyDataset(workers={PEER_THREADS})",
 }
 
 _CHILD = r"""
@@ -60,38 +66,78 @@ window, warm = sys.argv[5], sys.argv[6] == "warm"
 sys.path.insert(0, here)
 from run_all import BATCH, PEER_THREADS, _memmap_batches
 
+FIT = reader.endswith("-fit")
+kind = reader[: -len("-fit")] if FIT else reader
+
+
 def epoch():
-    if reader == "memmap":
+    if kind == "memmap":
         batch, steps = _memmap_batches(p, 0)
         return ThreadPoolExecutor(PEER_THREADS).map(batch, range(steps))
     return SRC.as_numpy_iterator() if SRC.access == "samples" else iter(SRC)
 
 
 info = {}
-if reader != "memmap":
+if kind != "memmap":
     from keras_tfr import TFRecordSequenceSource
 
-    kw = {"access": "blocks"} if reader == "blocks" else {}
-    if reader == "global":
+    kw = {"access": "blocks"} if kind == "blocks" else {}
+    if kind == "global":
         kw["shuffle_window"] = None
-    elif reader == "window" and window != "auto":
+    elif kind == "window" and window != "auto":
         kw["shuffle_window"] = window
     SRC = TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, seed=0, **kw)
     info = {"access": SRC.access, "window_records": getattr(SRC._order, "window_records", None)}
-if warm:  # an epoch first: the page cache and the checks warm
+if FIT:  # Flatten + Dense 10, as `run_all.py`'s fit; one epoch or `seconds`
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if kind == "memmap":
+
+        class Peer(keras.utils.PyDataset):
+            def __init__(self):
+                super().__init__(workers=PEER_THREADS, use_multiprocessing=False)
+                self.batch, self.steps = _memmap_batches(p, 0)
+
+            def __len__(self):
+                return self.steps
+
+            def __getitem__(self, i):
+                return self.batch(i)
+
+        data = Peer()
+    else:
+        data = SRC
+    state = {"steps": 0}
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            state["steps"] = batch + 1
+            if time.perf_counter() - t > seconds:
+                self.model.stop_training = True
+
+total = len(np.load(p["y"], mmap_mode="r"))
+if warm and not FIT:  # an epoch first: the page cache and the checks warm
     for _ in epoch():
         pass
-batches = epoch()
 print("READY", flush=True)
 sys.stdin.readline()
 t = time.perf_counter()
 n = nbytes = 0
-for b in batches:
-    x, y = np.asarray(b[0]), np.asarray(b[1])  # block mode: tensors, copied here
-    n += int(y.shape[0])
-    nbytes += int(x.nbytes) + int(y.nbytes)
-    if time.perf_counter() - t > seconds:
-        break
+if FIT:
+    model.fit(data, epochs=1, verbose=0, callbacks=[Stop()])
+    n = min(state["steps"] * BATCH, total)
+    nbytes = n * (28 * 28 * 4 + 4)
+else:
+    for b in epoch():
+        x, y = np.asarray(b[0]), np.asarray(b[1])  # block mode: tensors, copied here
+        n += int(y.shape[0])
+        nbytes += int(x.nbytes) + int(y.nbytes)
+        if time.perf_counter() - t > seconds:
+            break
 elapsed = time.perf_counter() - t
 print("DONE", flush=True)
 sys.stdin.readline()
@@ -195,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="small", choices=["small", "large"])
     ap.add_argument("--scale", type=int, default=6, help="times the shape's 0.5-0.8 GB")
     ap.add_argument("--limit-mb", type=int, default=1536, help="the cgroup's memory limit")
-    ap.add_argument("--seconds", type=float, default=60.0, help="per reader, at most")
+    ap.add_argument("--seconds", type=float, default=45.0, help="per reader, at most")
     ap.add_argument("--readers", default=",".join(READERS))
     ap.add_argument(
         "--window", default="auto", help="the window reader's shuffle_window (default auto)"

@@ -290,3 +290,23 @@ def test_an_unshuffled_validation_subset_of_windowed_data_is_a_scan(sorted_small
     order = val.sample_order(0)
     assert np.array_equal(order, np.sort(plain.sample_order(0)))
     _check_batches(list(val.as_numpy_iterator()), x, y, order)
+
+
+@pytest.mark.parametrize("verify, passes", [("first_read", 1), ("every_epoch", 2)])
+def test_windows_check_each_record_once_or_every_epoch(
+    sorted_small_records, monkeypatch, verify, passes
+):
+    d, x, y = sorted_small_records
+    checked = []
+    real = mapped.MappedPlan._check_record
+
+    def spy(self, record):
+        checked.append(record)
+        return real(self, record)
+
+    monkeypatch.setattr(mapped.MappedPlan, "_check_record", spy)
+    src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="1MB", verify=verify)
+    for epoch in range(2):
+        _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(epoch))
+    records = src._manifest.total_records
+    assert sorted(checked) == sorted(list(range(records)) * passes)
