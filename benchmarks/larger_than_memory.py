@@ -8,7 +8,7 @@ Each reader runs in a process of its own inside the cgroup, after the page cache
 dropped, for one epoch or ``--seconds``, whichever ends first, batch 256, shuffled:
 
 * ``window``: keras-tfr's default here: sample mode, shuffled window by window (windows
-  of a quarter of the limit, read ahead a record at a time, dropped once read);
+  of an eighth of the limit, read ahead a record at a time, dropped once read);
 * ``global``: sample mode with ``shuffle_window=None``: one order over all samples, so
   that nearly every sample read is a page fault that goes to the disk;
 * ``blocks``: ``access="blocks"``: whole records in sequence, shuffled in a buffer;

@@ -113,7 +113,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             from the whole data set. With a window, ``shuffle=False`` reads a split's
             subset in written order (a scan). ``"auto"`` (default): None when the data
             set fits in half of this machine's memory (or of its cgroup's limit, where
-            lower), else a quarter of it, rounded down to a power of two. The split is
+            lower), else an eighth of it, rounded down to a power of two. The split is
             the same either way.
         on_corrupt: ``"raise"`` (default) stops at a damaged record with a
             `CorruptRecordError` naming its file and byte offset; ``"skip"`` logs it, drops
@@ -1068,9 +1068,12 @@ def shuffle_window_bytes(shuffle_window: int | str | None, total_bytes: int) -> 
 
     ``"auto"``: the whole data set when it fits in half of this machine's memory (or of
     its cgroup's memory limit, where lower: all of it can stay in the page cache); a
-    larger one in windows of a quarter of that memory, rounded down to a power of two (so
-    that machines of nearly the same memory give the same order, and a window and the
-    next one's read-ahead stay within half of the memory).
+    larger one in windows of an eighth of that memory, rounded down to a power of two (so
+    that machines of nearly the same memory give the same order). A window and the next
+    one, read ahead while the current one ends, then take at most a quarter of the
+    memory: in a 1.5 GiB cgroup, windows of a quarter (256 MiB) left too little beside
+    TensorFlow for `fit`, whose pages were evicted before they were read (16 bytes read
+    from disk per byte delivered), and windows of an eighth read each byte once.
 
     Example:
         >>> shuffle_window_bytes("256MB", 10**12)
@@ -1083,4 +1086,4 @@ def shuffle_window_bytes(shuffle_window: int | str | None, total_bytes: int) -> 
     memory = _memory_bytes()
     if not memory or total_bytes <= memory // 2:
         return None
-    return 1 << ((memory // 4).bit_length() - 1)
+    return 1 << ((memory // 8).bit_length() - 1)

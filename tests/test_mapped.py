@@ -83,7 +83,7 @@ def test_data_much_larger_than_memory_reads_by_sample_in_windows(data, monkeypat
 
     monkeypatch.setattr(os, "sysconf", lambda name: 100 if name == "SC_PHYS_PAGES" else 64)
     assert source_module._memory_bytes() == 6400
-    assert source_module.shuffle_window_bytes("auto", 10_000) == 1024  # 1600 -> 2**10
+    assert source_module.shuffle_window_bytes("auto", 10_000) == 512  # 800 -> 2**9
     assert source_module.shuffle_window_bytes("auto", 3_200) is None
     src = TFRecordSequenceSource(d, batch_size=10)
     assert src.access == "samples"

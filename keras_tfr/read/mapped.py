@@ -821,6 +821,8 @@ class Epoch:
         # ahead, and those whose pages were then dropped from the mapping.
         self._advised: set[int] = set()
         self._dropped: set[int] = set()
+        # Units in flight: the readers', plus TensorFlow's buffers after them.
+        self._drop_lag = (plan.readers + 2) * self.unit_rows
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -851,16 +853,25 @@ class Epoch:
         windows of positions ``[lo, hi)`` ahead, and the next one once these positions
         come within ``hi - lo`` of it; drop from the mapping the pages of windows read
         through. So the pages an epoch keeps are about one window's, and the next one's
-        are read while the current one is consumed."""
+        are read while the current one is consumed.
+
+        The order runs ahead of the gathers: the readers' units in flight, and in
+        TensorFlow's pipeline the units handed over and not yet gathered. A window is
+        dropped once the order is `_drop_lag` positions past its end: dropped earlier, its
+        pages were mapped again by late gathers (and read from disk again where they
+        had been evicted) and stayed mapped for the rest of the epoch.
+        """
         order = self.plan.order
         ahead_of = min(hi + (hi - lo), order.size) - 1
-        first, last = (
-            int(k) for k in order.window_of(self.number, np.array([lo, max(hi - 1, ahead_of)]))
+        behind = max(0, lo - self._drop_lag)
+        first, last, past = (
+            int(k)
+            for k in order.window_of(self.number, np.array([lo, max(hi - 1, ahead_of), behind]))
         )
         with self._lock:
             ahead = [k for k in range(first, last + 1) if k not in self._advised]
             self._advised.update(ahead)
-            done = [k for k in self._advised if k < first and k not in self._dropped]
+            done = [k for k in self._advised if k < past and k not in self._dropped]
             self._dropped.update(done)
         for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
             for k in ks:
