@@ -5,8 +5,7 @@
    a hidden linear teacher).
 2. Converts it to sharded TFRecords with `ArraysToRecords.from_arrays` (progress bar).
 3. Trains a small model on the stream with `TFRecordSequenceSource` and a validation
-   split, shuffled in windows of 256 MB as a data set larger than memory is (so that the
-   shards' pages it maps stay within about a window's), then evaluates it.
+   split, then evaluates it.
 
 Generation, conversion and training each run in their own process, so each one's peak
 RSS (`resource.getrusage`) is its own (Linux carries a parent's peak RSS into the
@@ -115,23 +114,14 @@ def phase_convert(workdir: str) -> dict:
     }
 
 
-def phase_train(workdir: str, epochs: int, batch_size: int, window: str) -> dict:
+def phase_train(workdir: str, epochs: int, batch_size: int) -> dict:
     private = PrivatePeak()
     import keras
 
     from keras_tfr import TFRecordSequenceSource
 
     data = os.path.join(workdir, "train")
-    # A data set larger than half of memory is shuffled in windows (`shuffle_window`'s
-    # "auto"); the demo's 2 GB fit in this machine's memory, so it asks for windows to
-    # train as a larger data set would: the shards' pages it keeps mapped stay within
-    # about a window's (the RSS it shows), not the whole data set.
-    common = dict(
-        batch_size=batch_size,
-        seed=0,
-        validation_split=0.05,
-        shuffle_window=None if window == "none" else window,
-    )
+    common = dict(batch_size=batch_size, seed=0, validation_split=0.05)
     train = TFRecordSequenceSource(data, shuffle=True, subset="training", **common)
     val = TFRecordSequenceSource(data, shuffle=False, subset="validation", **common)
     keras.utils.set_random_seed(0)
@@ -171,7 +161,7 @@ def _run_phase(args: argparse.Namespace, phase: str) -> dict:
     result = os.path.join(args.workdir, f"{phase}.json")
     cmd = [sys.executable, __file__, "--phase", phase, "--workdir", args.workdir]
     cmd += ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
-    cmd += ["--samples", str(args.samples), "--shuffle-window", args.shuffle_window]
+    cmd += ["--samples", str(args.samples)]
     subprocess.run([*cmd, "--result", result], check=True)  # output (progress bars) shows live
     with open(result) as f:
         return json.load(f)
@@ -191,11 +181,6 @@ def main() -> int:
     parser.add_argument("--samples", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep demo_data afterwards")
-    parser.add_argument(
-        "--shuffle-window",
-        default="256MB",
-        help="the sources' shuffle_window (default 256MB; 'auto', or 'none': one order)",
-    )
     args = parser.parse_args()
 
     if args.phase:
@@ -211,7 +196,7 @@ def main() -> int:
         elif args.phase == "convert":
             result = phase_convert(args.workdir)
         else:
-            result = phase_train(args.workdir, args.epochs, args.batch_size, args.shuffle_window)
+            result = phase_train(args.workdir, args.epochs, args.batch_size)
         with open(args.result, "w") as f:
             json.dump(result, f)
         return 0

@@ -317,3 +317,32 @@ def test_windows_check_each_record_once_or_every_epoch(
         _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(epoch))
     records = src._manifest.total_records
     assert sorted(checked) == sorted(list(range(records)) * passes)
+
+
+def test_a_scan_reads_records_ahead_and_drops_them_once_read(sorted_small_records, monkeypatch):
+    """An unshuffled subset of windowed data (a validation subset) touches every record:
+    its records are read ahead in order and dropped once the scan is past them."""
+    d, x, y = sorted_small_records
+    monkeypatch.setattr(mapped, "_UNIT_BYTES", 256 << 10)
+    monkeypatch.setattr(mapped, "_ORDER_ROWS", 1024)
+    kw = dict(batch_size=256, seed=0, validation_split=0.5, subset="validation", shuffle=False)
+    src = TFRecordSequenceSource(d, shuffle_window="256KB", **kw)
+    order = src._order
+    assert order.in_written_order
+    calls = []
+    real = mapped.MappedPlan.advise
+
+    def spy(self, records, advice):
+        calls.append((advice, np.sort(records).tolist()))
+        return real(self, records, advice)
+
+    monkeypatch.setattr(mapped.MappedPlan, "advise", spy)
+    _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(0))
+    ahead = [r for a, rs in calls if a == mapped._MADV_WILLNEED for r in rs]
+    dropped = [r for a, rs in calls if a == mapped._MADV_DONTNEED for r in rs]
+    records = src._manifest.total_records
+    assert sorted(ahead) == list(range(records))  # every record read ahead once
+    lag = (src._mapped_plan.readers + 2) * 1024
+    last_lo = (order.size - 1) // 1024 * 1024
+    past = int(order.record_of(np.array([last_lo - lag]))[0])
+    assert sorted(dropped) == list(range(past)) and past > records // 2

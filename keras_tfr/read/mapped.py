@@ -823,6 +823,8 @@ class Epoch:
         self._dropped: set[int] = set()
         # Units in flight: the readers', plus TensorFlow's buffers after them.
         self._drop_lag = (plan.readers + 2) * self.unit_rows
+        # A subset read in written order: per record, 1 read ahead, 2 then dropped.
+        self._scanned: np.ndarray | None = None
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -841,6 +843,8 @@ class Epoch:
                 ids = plan.order.samples(self.number, lo, hi)
                 if plan.order.windowed and hi > lo:
                     self._advise_windows(lo, hi)
+                elif plan.order.in_written_order and hi > lo:
+                    self._advise_scan(lo, hi)
             except BaseException as e:
                 fut.set_exception(e)
                 raise
@@ -878,6 +882,29 @@ class Epoch:
                 records = order.window_records_of(self.number, k)
                 if len(records):
                     self.plan.advise(records, advice)
+
+    def _advise_scan(self, lo: int, hi: int) -> None:
+        """A subset read in written order (unshuffled, where windows are asked for): read
+        the records ahead up to ``hi - lo`` positions past ``hi``, and drop those the
+        order has passed by `_drop_lag` positions, as `_advise_windows` does for windows
+        (a validation subset touches every record: kept mapped, its pages were the whole
+        data set's)."""
+        order = self.plan.order
+        ahead_of = min(hi + (hi - lo), order.size) - 1
+        behind = max(0, lo - self._drop_lag)
+        first, last, past = (int(r) for r in order.record_of(np.array([lo, ahead_of, behind])))
+        with self._lock:  # the order's pieces may be worked out by several threads at once
+            state = self._scanned
+            if state is None:
+                state = self._scanned = np.zeros(self.plan.total_records, dtype=np.uint8)
+            ahead = first + np.flatnonzero(state[first : last + 1] == 0)
+            state[ahead] = 1
+            done = np.flatnonzero(state[:past] == 1)
+            state[done] = 2
+        if len(done):
+            self.plan.advise(done, _MADV_DONTNEED)
+        if len(ahead):
+            self.plan.advise(ahead, _MADV_WILLNEED)
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""

@@ -374,12 +374,19 @@ class SampleOrder:
             k += 1
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
-    def _in_written_order(self, start: int, stop: int) -> np.ndarray:
-        """The share's samples ``start`` to ``stop - 1`` in increasing written index."""
+    def _records_before(self) -> np.ndarray:
         with self._lock:
             if self._before is None:
                 self._before = np.concatenate([[0], np.cumsum(self._counts_unlocked())])
-            before = self._before
+            return self._before
+
+    def record_of(self, positions: np.ndarray) -> np.ndarray:
+        """The record that holds each stream position (read in written order)."""
+        return np.searchsorted(self._records_before(), positions, side="right") - 1
+
+    def _in_written_order(self, start: int, stop: int) -> np.ndarray:
+        """The share's samples ``start`` to ``stop - 1`` in increasing written index."""
+        before = self._records_before()
         r = int(np.searchsorted(before, start, side="right")) - 1
         out, skip, want = [], start - int(before[r]), stop - start
         while want > 0 and r < self.records:
