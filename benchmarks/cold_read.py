@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -119,13 +120,20 @@ def drop_page_cache() -> None:
         raise SystemExit(f"cannot drop the page cache ({e}): run this script as root") from e
 
 
-def run_reader(reader: str, p: dict[str, str], stat: str) -> dict[str, float]:
-    drop_page_cache()
+def run_counted(
+    name: str, args: list[str], stat: str, preexec_fn: Any = None
+) -> tuple[dict[str, Any], tuple[int, int], tuple[int, int]]:
+    """Runs a child that prints READY (set up), waits for a line, reads, prints DONE,
+    waits for a line and prints ``RESULT {json}``; returns the result and the device's
+    counters at READY and at DONE (what the child's imports read is not counted)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    args = [sys.executable, "-c", _CHILD, here, reader, json.dumps(p)]
     child = subprocess.Popen(
-        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=preexec_fn,
     )
     assert child.stdin is not None and child.stdout is not None
 
@@ -133,9 +141,9 @@ def run_reader(reader: str, p: dict[str, str], stat: str) -> dict[str, float]:
         for line in child.stdout:
             if line.strip() == word:
                 return
-        raise SystemExit(f"{reader}: the child ended before {word}")
+        raise SystemExit(f"{name}: the child ended before {word} (exit {child.wait()})")
 
-    wait_for("READY")  # imports done: what TensorFlow's start reads is not counted
+    wait_for("READY")
     before = counters(stat)
     child.stdin.write("\n")
     child.stdin.flush()
@@ -145,9 +153,16 @@ def run_reader(reader: str, p: dict[str, str], stat: str) -> dict[str, float]:
     child.stdin.flush()
     out, _ = child.communicate(timeout=600)
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    if child.returncode or not line:
-        raise SystemExit(f"{reader} failed (exit {child.returncode})")
-    rates = json.loads(line[0][len("RESULT ") :])
+    if not line:
+        raise SystemExit(f"{name} failed (exit {child.returncode})")
+    return json.loads(line[0][len("RESULT ") :]), before, after
+
+
+def run_reader(reader: str, p: dict[str, str], stat: str) -> dict[str, float]:
+    drop_page_cache()
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [sys.executable, "-c", _CHILD, here, reader, json.dumps(p)]
+    rates, before, after = run_counted(reader, args, stat)
     requests, sectors = after[0] - before[0], after[1] - before[1]
     return {
         "cold": rates["cold"],

@@ -35,13 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cold_read import counters, device_stat_path, drop_page_cache
+from cold_read import device_stat_path, drop_page_cache, run_counted
 from run_all import BATCH, PEER_THREADS, SHAPES, _paths, work_gen
 
 READERS = {
@@ -198,35 +197,10 @@ def run_reader(
         group.reset_peak()
     here = os.path.dirname(os.path.abspath(__file__))
     warm = "cold" if group is not None else "warm"
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, here, reader, json.dumps(p), str(seconds), window, warm],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        preexec_fn=group.join if group is not None else None,
+    args = [sys.executable, "-c", _CHILD, here, reader, json.dumps(p), str(seconds), window, warm]
+    res, before, after = run_counted(
+        reader, args, stat, preexec_fn=group.join if group is not None else None
     )
-    assert child.stdin is not None and child.stdout is not None
-
-    def wait_for(word: str) -> None:
-        for line in child.stdout:
-            if line.strip() == word:
-                return
-        raise SystemExit(f"{reader}: the child ended before {word} (exit {child.wait()})")
-
-    wait_for("READY")
-    before = counters(stat)
-    child.stdin.write("\n")
-    child.stdin.flush()
-    wait_for("DONE")
-    after = counters(stat)
-    child.stdin.write("\n")
-    child.stdin.flush()
-    out, _ = child.communicate(timeout=600)
-    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    if not line:
-        raise SystemExit(f"{reader} failed (exit {child.returncode})")
-    res = json.loads(line[0][len("RESULT ") :])
     res.update(
         requests=after[0] - before[0],
         mb_read=(after[1] - before[1]) * 512 / 1e6,
