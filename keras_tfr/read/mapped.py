@@ -817,14 +817,11 @@ class Epoch:
         # in read-only pieces that the units slice; at most a few pieces are kept.
         self._group = max(1, _ORDER_ROWS // self.unit_rows)
         self._orders: dict[int, Future] = {}
-        # The windowed shuffle (`SampleOrder.windowed`): windows whose records were read
-        # ahead, and those whose pages were then dropped from the mapping.
-        self._advised: set[int] = set()
-        self._dropped: set[int] = set()
+        # Read ahead and dropped behind (`_advise`): per window of the windowed shuffle,
+        # or per record of a subset read in written order.
+        self._advised: np.ndarray | None = None
         # Units in flight: the readers', plus TensorFlow's buffers after them.
         self._drop_lag = (plan.readers + 2) * self.unit_rows
-        # A subset read in written order: per record, 1 read ahead, 2 then dropped.
-        self._scanned: np.ndarray | None = None
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -841,10 +838,8 @@ class Epoch:
             hi = min(lo + self._group * self.unit_rows, plan.total_rows)
             try:
                 ids = plan.order.samples(self.number, lo, hi)
-                if plan.order.windowed and hi > lo:
-                    self._advise_windows(lo, hi)
-                elif plan.order.in_written_order and hi > lo:
-                    self._advise_scan(lo, hi)
+                if (plan.order.windowed or plan.order.in_written_order) and hi > lo:
+                    self._advise(lo, hi)
             except BaseException as e:
                 fut.set_exception(e)
                 raise
@@ -852,59 +847,50 @@ class Epoch:
             fut.set_result(ids)
         return fut.result()
 
-    def _advise_windows(self, lo: int, hi: int) -> None:
-        """The windowed shuffle reads a window's records, then the next window's: read the
-        windows of positions ``[lo, hi)`` ahead, and the next one once these positions
-        come within ``hi - lo`` of it; drop from the mapping the pages of windows read
-        through. So the pages an epoch keeps are about one window's, and the next one's
-        are read while the current one is consumed.
+    def _advise(self, lo: int, hi: int) -> None:
+        """Read ahead and drop behind, for an order read a piece at a time: windows (the
+        windowed shuffle reads a window's records, then the next window's) or single
+        records (a subset read in written order, unshuffled where windows are asked for).
+        The pieces of positions ``[lo, hi)`` are read ahead, and the next ones once these
+        positions come within ``hi - lo`` of them; the pieces read through are dropped
+        from the mapping. So the pages an epoch keeps are about one window's (for a sparse
+        subset read in written order, the records its units in flight span), and the next
+        window's are read while the current one is consumed.
 
         The order runs ahead of the gathers: the readers' units in flight, and in
-        TensorFlow's pipeline the units handed over and not yet gathered. A window is
+        TensorFlow's pipeline the units handed over and not yet gathered. A piece is
         dropped once the order is `_drop_lag` positions past its end: dropped earlier, its
-        pages were mapped again by late gathers (and read from disk again where they
-        had been evicted) and stayed mapped for the rest of the epoch.
+        pages were mapped again by late gathers (and read from disk again where they had
+        been evicted) and stayed mapped for the rest of the epoch.
         """
-        order = self.plan.order
-        ahead_of = min(hi + (hi - lo), order.size) - 1
-        behind = max(0, lo - self._drop_lag)
-        first, last, past = (
-            int(k)
-            for k in order.window_of(self.number, np.array([lo, max(hi - 1, ahead_of), behind]))
-        )
-        with self._lock:
-            ahead = [k for k in range(first, last + 1) if k not in self._advised]
-            self._advised.update(ahead)
-            done = [k for k in self._advised if k < past and k not in self._dropped]
-            self._dropped.update(done)
-        for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
-            for k in ks:
-                records = order.window_records_of(self.number, k)
-                if len(records):
-                    self.plan.advise(records, advice)
+        order, number = self.plan.order, self.number
+        piece_of: Callable[[np.ndarray], np.ndarray]
+        records_of: Callable[[int], np.ndarray]
+        if order.windowed:
+            count = order.window_count
+            piece_of = functools.partial(order.window_of, number)
+            records_of = functools.partial(order.window_records_of, number)
+        else:
+            count = self.plan.total_records
+            piece_of = order.record_of
+            records_of = functools.partial(np.array, ndmin=1, dtype=np.int64)
 
-    def _advise_scan(self, lo: int, hi: int) -> None:
-        """A subset read in written order (unshuffled, where windows are asked for): read
-        the records ahead up to ``hi - lo`` positions past ``hi``, and drop those the
-        order has passed by `_drop_lag` positions, as `_advise_windows` does for windows
-        (a validation subset touches every record: kept mapped, its pages were the whole
-        data set's)."""
-        order = self.plan.order
         ahead_of = min(hi + (hi - lo), order.size) - 1
         behind = max(0, lo - self._drop_lag)
-        first, last, past = (int(r) for r in order.record_of(np.array([lo, ahead_of, behind])))
+        first, last, past = (int(k) for k in piece_of(np.array([lo, ahead_of, behind])))
         with self._lock:  # the order's pieces may be worked out by several threads at once
-            state = self._scanned
-            if state is None:
-                state = self._scanned = np.zeros(self.plan.total_records, dtype=np.uint8)
+            state = self._advised
+            if state is None:  # per piece: 1 read ahead, 2 then dropped
+                state = self._advised = np.zeros(count, dtype=np.uint8)
             ahead = first + np.flatnonzero(state[first : last + 1] == 0)
             state[ahead] = 1
             done = np.flatnonzero(state[:past] == 1)
             state[done] = 2
-        if len(done):
-            self.plan.advise(done, _MADV_DONTNEED)
-        if len(ahead):
-            self.plan.advise(ahead, _MADV_WILLNEED)
+        for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
+            for k in ks.tolist():
+                records = records_of(k)
+                if len(records):
+                    self.plan.advise(records, advice)
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""

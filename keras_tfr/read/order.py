@@ -256,6 +256,12 @@ class SampleOrder:
         return self.window_records is not None
 
     @property
+    def window_count(self) -> int:
+        """Windows per epoch (windowed)."""
+        assert self.window_records is not None
+        return -(-self.records // self.window_records)
+
+    @property
     def size(self) -> int:
         """Samples in this share of this subset (read once per epoch)."""
         return self._hi - self._lo
