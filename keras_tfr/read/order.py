@@ -393,12 +393,12 @@ class SampleOrder:
     def _in_written_order(self, start: int, stop: int) -> np.ndarray:
         """The share's samples ``start`` to ``stop - 1`` in increasing written index."""
         before = self._records_before()
-        r = int(np.searchsorted(before, start, side="right")) - 1
+        r, last = (int(k) - 1 for k in np.searchsorted(before, [start, stop - 1], side="right"))
         out, skip, want = [], start - int(before[r]), stop - start
         while want > 0 and r < self.records:
-            # Records in steps of about a million samples: memory does not grow with a
-            # small subset's spread.
-            r_end = min(self.records, r + max(1, _COUNT_CHUNK // self.spr))
+            # The records that hold these positions, in steps of about a million samples:
+            # memory does not grow with a small subset's spread.
+            r_end = min(last + 1, r + max(1, _COUNT_CHUNK // self.spr))
             ids = np.arange(r * self.spr, min(r_end * self.spr, self.total), dtype=np.int64)
             ids = ids[self.in_share(ids)][skip : skip + want]
             out.append(ids)
