@@ -53,7 +53,10 @@ def run_example(tmp_path, script: str, *args: str) -> subprocess.CompletedProces
 def test_demo(tmp_path):
     workdir = tmp_path / "demo_data"
     result = run_example(
-        tmp_path, "demo.py", "--size-gb", "0.002", "--epochs", "1", "--workdir", str(workdir)
+        tmp_path,
+        "demo.py",
+        *("--size-gb", "0.002", "--epochs", "1", "--workdir", str(workdir)),
+        *("--window", "64KB"),  # 2 records of 1 MB: windows of one record
     )
     out = result.stdout
     for line in ("[3/3] training on the stream for 1 epochs", "data set (TFRecord shards)"):
