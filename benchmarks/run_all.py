@@ -75,6 +75,9 @@ SHAPES = {
     "large2g": {"samples": 43_690, "shape": (64, 64, 3)},  # 2.1 GB (GlobalAveragePooling2D)
 }
 PEER_THREADS = 4
+# The rss group also reads in windows of this size (`shuffle_window`, what "auto" does for
+# data larger than half of memory): the mapped pages it keeps do not grow with the data.
+RSS_WINDOW = "128MB"
 
 READ_PIPELINES = [
     "keras-tfr",
@@ -111,6 +114,7 @@ LABELS = {
     "memmap-pydataset": "memmap + PyDataset(workers=4)",
     "keras-arrays": "Keras' tf.data for in-memory arrays",
     "tf-data-floor": "tf.data floor (one batch repeated)",
+    "keras-tfr-windows": f"keras-tfr, shuffle_window={RSS_WINDOW!r}",
 }
 
 
@@ -344,6 +348,13 @@ def _tf_read_pipeline(p: dict[str, str], pipeline: str, shape: tuple[int, ...]):
 
         _warm(p["ktfr"])
         return TFRecordSequenceSource(p["ktfr"], batch_size=BATCH, shuffle=True, seed=0)
+    if pipeline == "keras-tfr-windows":  # the rss group: what windows bound
+        from keras_tfr import TFRecordSequenceSource
+
+        _warm(p["ktfr"])
+        return TFRecordSequenceSource(
+            p["ktfr"], batch_size=BATCH, shuffle=True, seed=0, shuffle_window=RSS_WINDOW
+        )
     if pipeline == "tutorial":
         _warm(p["tutorial"])
         feats = {
@@ -853,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
                     scale,
                 )
                 # The memmap peer beside it: its page-cache pages count in its RSS too.
-                for pipeline in ("keras-tfr", "memmap-threads"):
+                for pipeline in ("keras-tfr", "keras-tfr-windows", "memmap-threads"):
                     add(
                         "rss",
                         shape_name,

@@ -4,6 +4,7 @@ sample, window by window, with the split and the mixing of `fit(x, y, shuffle=Tr
 from __future__ import annotations
 
 import logging
+import mmap
 
 import numpy as np
 import pytest
@@ -181,6 +182,52 @@ def test_windows_mix_class_sorted_data_and_the_split_is_unchanged(sorted_small_r
     assert np.mean(skewed) > 0.9
 
 
+def _spy_advice(monkeypatch):
+    """Logs, in order, each `MappedPlan.advise` call (``("ahead" | "drop", records)``)
+    and each unit gathered (``("unit", i, lo, hi)``, after its gather)."""
+    log = []
+    advise, unit = mapped.MappedPlan.advise, mapped.Epoch.unit
+
+    def spy_advise(self, records, advice):
+        kind = "ahead" if advice == mapped._MADV_WILLNEED else "drop"
+        log.append((kind, np.sort(records).tolist()))
+        return advise(self, records, advice)
+
+    def spy_unit(self, i):
+        out = unit(self, i)
+        log.append(("unit", i, *self.span(i)))
+        return out
+
+    monkeypatch.setattr(mapped.MappedPlan, "advise", spy_advise)
+    monkeypatch.setattr(mapped.Epoch, "unit", spy_unit)
+    return log
+
+
+def _check_read_ahead_and_dropped(log, pieces, lag_rows):
+    """``pieces``: per piece (window or record) its records and its stream positions
+    ``[start, end)``. Each piece is read ahead once, before any unit reads it, and dropped
+    once: never while a unit that reads it may still be gathering (every unit up to its
+    end has been gathered, the readers working in order), and at the latest when the
+    first unit starting ``lag_rows`` past its end is gathered (the rest when the epoch
+    ends)."""
+    owner = {r: k for k, (records, _, _) in enumerate(pieces) for r in records}
+    ahead_at, drop_at = {}, {}
+    for t, entry in enumerate(log):
+        if entry[0] != "unit":
+            seen = ahead_at if entry[0] == "ahead" else drop_at
+            for k in {owner[r] for r in entry[1]}:
+                assert k not in seen, (entry[0], k)  # once
+                seen[k] = t
+    units = [(t, e[2], e[3]) for t, e in enumerate(log) if e[0] == "unit"]
+    assert sorted(ahead_at) == sorted(drop_at) == list(range(len(pieces)))
+    for k, (_records, start, end) in enumerate(pieces):
+        assert all(t > ahead_at[k] for t, lo, hi in units if lo < end and hi > start)
+        assert all(t < drop_at[k] for t, lo, hi in units if lo < end)  # all gathered
+        due = [t for t, lo, _ in units if lo >= end + lag_rows]
+        if due:
+            assert drop_at[k] < due[0]
+
+
 def test_windows_are_read_ahead_and_dropped_once_read(sorted_small_records, monkeypatch):
     d, _, _ = sorted_small_records
     # Units of 4 batches, their order computed one unit at a time (on large data a window
@@ -189,30 +236,20 @@ def test_windows_are_read_ahead_and_dropped_once_read(sorted_small_records, monk
     monkeypatch.setattr(mapped, "_ORDER_ROWS", 1024)
     src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="256KB")
     order = src._order
-    calls = []
-    real = mapped.MappedPlan.advise
-
-    def spy(self, records, advice):
-        calls.append((advice, tuple(np.sort(records).tolist())))
-        return real(self, records, advice)
-
-    monkeypatch.setattr(mapped.MappedPlan, "advise", spy)
+    log = _spy_advice(monkeypatch)
     list(src.as_numpy_iterator())
-    windows = [tuple(np.sort(order.window_records_of(0, k)).tolist()) for k in range(40)]
-    windows = [w for w in windows if w]
-    ahead = [r for a, rs in calls if a == mapped._MADV_WILLNEED for r in rs]
-    dropped = [r for a, rs in calls if a == mapped._MADV_DONTNEED for r in rs]
-    assert len(windows) > 4
-    assert sorted(ahead) == sorted(r for w in windows for r in w)  # each read ahead once
-    # Dropped once the order is past a window by the units that may still be in flight
-    # (the readers', and two more): every window that ends that far before the last
-    # piece of the order (1,024 positions) starts.
     _, starts = order._epoch_windows(0)
-    lag = (src._mapped_plan.readers + 2) * 1024
-    last_lo = (order.size - 1) // 1024 * 1024
-    gone = [windows[k] for k in range(len(windows)) if starts[k + 1] <= last_lo - lag]
-    assert sorted(dropped) == sorted(r for w in gone for r in w)  # each dropped once
-    assert len(gone) >= len(windows) // 2
+    pieces = [
+        (order.window_records_of(0, k).tolist(), int(starts[k]), int(starts[k + 1]))
+        for k in range(order.window_count)
+    ]
+    assert len(pieces) > 4 and src._mapped_plan.unit_rows == 1024
+    # Dropped as soon as the readers' units in flight are past it.
+    _check_read_ahead_and_dropped(log, pieces, src._mapped_plan.readers * 1024)
+    # ... not all at the end: most of the windows while the epoch is read.
+    last_unit = max(t for t, e in enumerate(log) if e[0] == "unit")
+    drops = [t for t, e in enumerate(log) if e[0] == "drop"]
+    assert len([t for t in drops if t < last_unit]) >= len(pieces) // 2
 
 
 def test_auto_windows_data_larger_than_half_of_memory(sorted_small_records, monkeypatch, caplog):
@@ -329,26 +366,14 @@ def test_a_scan_reads_records_ahead_and_drops_them_once_read(sorted_small_record
     src = TFRecordSequenceSource(d, shuffle_window="256KB", **kw)
     order = src._order
     assert order.in_written_order
-    calls = []
-    real = mapped.MappedPlan.advise
-
-    def spy(self, records, advice):
-        calls.append((advice, np.sort(records).tolist()))
-        return real(self, records, advice)
-
-    monkeypatch.setattr(mapped.MappedPlan, "advise", spy)
+    log = _spy_advice(monkeypatch)
     _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(0))
-    ahead = [r for a, rs in calls if a == mapped._MADV_WILLNEED for r in rs]
-    dropped = [r for a, rs in calls if a == mapped._MADV_DONTNEED for r in rs]
-    records = src._manifest.total_records
-    assert sorted(ahead) == list(range(records))  # every record read ahead once
     # Units and order steps cut by the subset's density (a half): 2 batches.
     plan = src._mapped_plan
     assert plan.unit_rows == plan.order_rows == 512
-    lag = (plan.readers + 2) * 512
-    last_lo = (order.size - 1) // 512 * 512
-    past = int(order.record_of(np.array([last_lo - lag]))[0])
-    assert sorted(dropped) == list(range(past)) and past > records // 2
+    before = order._records_before()
+    pieces = [([r], int(before[r]), int(before[r + 1])) for r in range(plan.total_records)]
+    _check_read_ahead_and_dropped(log, pieces, plan.readers * 512)
 
 
 @pytest.mark.parametrize("reader", ["numpy", "tf.data"])
@@ -384,8 +409,53 @@ def test_a_sparse_scan_keeps_few_records_mapped(sorted_small_records, monkeypatc
         batches = [(a.numpy(), b.numpy()) for a, b in src.map(lambda a, b: (a, b))]
     _check_batches(batches, x, y, src.sample_order(0))
     records = src._manifest.total_records
-    # Between the read-ahead and the drop: the 2 readers' units and two more behind, the
-    # order step read and the next (units of 32 positions): about 20 written samples
-    # per subset sample, 64 per record, so 60 records; a half more for the split's
-    # unevenness.
-    assert most[0] <= (2 + 2 + 2) * 32 * 20 // 64 * 3 // 2 < records // 3
+    # Between the drop and the read-ahead, in units of 32 positions (about 20 written
+    # samples per subset sample, 64 per record: 10 records a unit): the lag behind (the
+    # 2 readers' units, and 4 more where TensorFlow gathers), the units submitted ahead
+    # (the readers' and one), two order steps read ahead; a half more for the split's
+    # unevenness. Uncut, the units spanned every record.
+    units = (2 if reader == "numpy" else 6) + 3 + 2
+    assert most[0] <= units * 10 * 3 // 2 < records
+
+
+def test_records_dropped_are_rounded_out_to_what_a_fault_maps(sorted_small_records, monkeypatch):
+    """`_MADV_DONTNEED` covers whole `_MAP_AROUND` blocks of the file around each record
+    (a fault maps a large folio, neighbours included), within the file's mapping;
+    `_MADV_WILLNEED` the records alone. Adjacent records go in one call."""
+    d, _, _ = sorted_small_records
+    src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="256KB")
+    plan = src._mapped_plan
+    region = plan.region()
+    calls = []
+
+    class Libc:
+        def madvise(self, addr, length, advice):
+            calls.append((addr, addr + length, advice))
+            return 0
+
+    monkeypatch.setattr(mapped, "_libc", Libc)
+    block = 64 << 10
+    monkeypatch.setattr(mapped, "_MAP_AROUND", block)
+    last = plan.total_records - 1
+    records = np.array([last, 5, 6, 40])  # 5 and 6 adjacent; the last ends its file
+    frames = []
+    for r in records.tolist():
+        first = region.base + int(region.starts[plan.shard_of[r]])
+        size = int(region.sizes[plan.shard_of[r]])
+        lo = first + int(plan.index_in_shard[r]) * plan.full.frame
+        frames.append((first, first + size, lo, min(lo + plan.full.frame, first + size)))
+    plan.advise(records, mapped._MADV_WILLNEED)
+    page = mmap.PAGESIZE
+    assert [c[:2] for c in calls] == [
+        (frames[1][2] - frames[1][2] % page, frames[2][3]),  # 5 and 6 in one call
+        (frames[3][2] - frames[3][2] % page, frames[3][3]),
+        (frames[0][2] - frames[0][2] % page, frames[0][3]),
+    ]
+    calls.clear()
+    plan.advise(records, mapped._MADV_DONTNEED)
+    assert all(c[2] == mapped._MADV_DONTNEED for c in calls) and len(calls) <= 3
+    for first, end, lo, hi in frames:
+        (a, b) = next((a, b) for a, b, _ in calls if a <= lo and hi <= b)  # covered
+        assert first <= a and b <= end  # within the file's mapping
+        assert (a - first) % block == 0 and ((b - first) % block == 0 or b == end)
+        assert a > lo - block and (b < hi + block)  # rounded out, no further

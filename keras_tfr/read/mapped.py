@@ -112,6 +112,10 @@ _PROT_READ = 1
 _MAP_FIXED = 0x10  # the same value on Linux and macOS
 _MADV_WILLNEED = 3  # the same values on Linux and macOS
 _MADV_DONTNEED = 4
+# A fault on a file's page maps the page cache's pages around it: 64 KB (Linux's
+# fault-around), and on recent kernels (6.18 here) the whole large folio that holds it,
+# up to 2 MB where the file was just written. Dropped records are rounded out to this.
+_MAP_AROUND = 2 << 20
 
 
 def available() -> bool:
@@ -400,6 +404,10 @@ class MappedPlan:
         # The tf.data iterators' epochs, by (epoch, first batch), most recent last.
         self._epochs: dict[tuple[int, int], Epoch] = {}
         self._epochs_lock = threading.Lock()
+        # tf.data's epochs whose units are all handed out: TensorFlow may still gather
+        # from the last ones, so the pieces they read ahead are dropped when the next
+        # iterator starts (`begin_epoch`).
+        self._ended: list[Epoch] = []
 
     # ---------------------------------------------------------------- mapping
 
@@ -436,10 +444,16 @@ class MappedPlan:
             return self._region
 
     def begin_epoch(self) -> None:
-        """Called when an epoch starts: maps again the shards changed on disk, and forgets
-        the checks of every shard whose mapped file is not the one this plan checked
-        (changed now, or since remapped by another plan sharing the region)."""
+        """Called when an epoch starts: drops from the mapping what the epochs ended
+        before it read ahead and kept (`Epoch.drop_all`), maps again the shards changed on
+        disk, and forgets the checks of every shard whose mapped file is not the one this
+        plan checked (changed now, or since remapped by another plan sharing the
+        region)."""
         region = self.region()
+        with self._epochs_lock:
+            ended, self._ended = self._ended, []
+        for epoch in ended:
+            epoch.drop_all()
         with self._check_lock:
             region.remap_changed()
             self._forget_remapped()
@@ -478,6 +492,8 @@ class MappedPlan:
             key = (epoch.number, epoch.start_batch)
             if self._epochs.get(key) is epoch:
                 del self._epochs[key]
+            if epoch._advised is not None:
+                self._ended.append(epoch)
 
     def advise(self, records: np.ndarray, advice: int) -> None:
         """``madvise`` over the frames of ``records``: `_MADV_WILLNEED` has the kernel read
@@ -496,11 +512,21 @@ class MappedPlan:
         )
         # Never past what is mapped of the file: a short last record's frame (or one of a
         # truncated file) would reach beyond it, into the next mapping of the process.
-        ends = np.minimum(
-            starts + self.full.frame, region.base + region.starts[shards] + region.sizes[shards]
-        )
+        first = region.base + region.starts[shards]
+        ends = np.minimum(starts + self.full.frame, first + region.sizes[shards])
+        if advice == _MADV_DONTNEED:
+            # Reading a record maps the pages around it (`_MAP_AROUND`), of neighbours
+            # in windows read before: dropped with it (within the file's mapping). Left
+            # mapped, a freshly written 2 GB grew by 190 MB over an epoch in windows of
+            # 128 MB (`benchmarks/run_all.py --only rss`).
+            # Folios are aligned in the file: rounded from the file's first byte.
+            starts = first + (starts - first) // _MAP_AROUND * _MAP_AROUND
+            ends = np.minimum(
+                first + -(-(ends - first) // _MAP_AROUND) * _MAP_AROUND,
+                first + region.sizes[shards],
+            )
         # Adjacent frames in one call (a scan in written order drops records in runs).
-        runs = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        runs = np.flatnonzero(starts[1:] > ends[:-1]) + 1
         for a, b in zip(starts[np.r_[0, runs]].tolist(), ends[np.r_[runs - 1, -1]].tolist()):
             lo = a - a % page
             if b > lo:
@@ -836,11 +862,9 @@ class Epoch:
         # in read-only pieces that the units slice; at most a few pieces are kept.
         self._group = max(1, plan.order_rows // self.unit_rows)
         self._orders: dict[int, Future] = {}
-        # Read ahead and dropped behind (`_advise`): per window of the windowed shuffle,
-        # or per record of a subset read in written order.
+        # Read ahead (`_advise`) and dropped behind (`_drop_behind`): per window of the
+        # windowed shuffle, or per record of a subset read in written order.
         self._advised: np.ndarray | None = None
-        # Units in flight: the readers', plus TensorFlow's buffers after them.
-        self._drop_lag = (plan.readers + 2) * self.unit_rows
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -866,49 +890,88 @@ class Epoch:
             fut.set_result(ids)
         return fut.result()
 
-    def _advise(self, lo: int, hi: int) -> None:
-        """Read ahead and drop behind, for an order read a piece at a time: windows (the
+    def _pieces(self) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[int], np.ndarray]]:
+        """The pieces an order is read in, for `_advise` and `_drop_behind`: windows (the
         windowed shuffle reads a window's records, then the next window's) or single
-        records (a subset read in written order, unshuffled where windows are asked for).
-        The pieces of positions ``[lo, hi)`` are read ahead, and the next ones once these
-        positions come within ``hi - lo`` of them; the pieces read through are dropped
-        from the mapping. So the pages an epoch keeps are about one window's (for a subset
-        read in written order, the records its units in flight span: a few units' worth,
-        its units being cut by its density, see `MappedPlan`), and the next window's are
-        read while the current one is consumed.
-
-        The order runs ahead of the gathers: the readers' units in flight, and in
-        TensorFlow's pipeline the units handed over and not yet gathered. A piece is
-        dropped once the order is `_drop_lag` positions past its end: dropped earlier, its
-        pages were mapped again by late gathers (and read from disk again where they had
-        been evicted) and stayed mapped for the rest of the epoch.
-        """
+        records (a subset read in written order, unshuffled where windows are asked
+        for). Returns the piece of each stream position and the records of a piece."""
         order, number = self.plan.order, self.number
-        piece_of: Callable[[np.ndarray], np.ndarray]
-        records_of: Callable[[int], np.ndarray]
         if order.windowed:
-            count = order.window_count
-            piece_of = functools.partial(order.window_of, number)
-            records_of = functools.partial(order.window_records_of, number)
-        else:
-            count = self.plan.total_records
-            piece_of = order.record_of
-            records_of = functools.partial(np.array, ndmin=1, dtype=np.int64)
+            return (
+                functools.partial(order.window_of, number),
+                functools.partial(order.window_records_of, number),
+            )
+        return order.record_of, functools.partial(np.array, ndmin=1, dtype=np.int64)
 
-        ahead_of = min(hi + (hi - lo), order.size) - 1
-        behind = max(0, lo - self._drop_lag)
-        first, last, past = (int(k) for k in piece_of(np.array([lo, ahead_of, behind])))
+    def _piece_state(self) -> np.ndarray:
+        """Per piece (under `_lock`): 0 untouched, 1 read ahead, 2 dropped."""
+        if self._advised is None:
+            order = self.plan.order
+            count = order.window_count if order.windowed else self.plan.total_records
+            self._advised = np.zeros(count, dtype=np.uint8)
+        return self._advised
+
+    def _advise(self, lo: int, hi: int) -> None:
+        """Reads ahead the pieces of stream positions ``[lo, hi)`` (an order step), and
+        the next ones once these positions come within ``hi - lo`` of them, with
+        `_MADV_WILLNEED`: the kernel reads a window's records (or a scan's) from disk in
+        large requests while the pieces before them are consumed. `_drop_behind` drops
+        them from the mapping once read through."""
+        piece_of, records_of = self._pieces()
+        ahead_of = min(hi + (hi - lo), self.plan.order.size) - 1
+        first, last = (int(k) for k in piece_of(np.array([lo, ahead_of])))
         with self._lock:  # the order's pieces may be worked out by several threads at once
-            state = self._advised
-            if state is None:  # per piece: 1 read ahead, 2 then dropped
-                state = self._advised = np.zeros(count, dtype=np.uint8)
+            state = self._piece_state()
             ahead = first + np.flatnonzero(state[first : last + 1] == 0)
             state[ahead] = 1
+        if len(ahead):
+            self.plan.advise(
+                np.concatenate([records_of(k) for k in ahead.tolist()]), _MADV_WILLNEED
+            )
+
+    def _drop_behind(self, i: int, lag: int) -> None:
+        """Drops from the mapping (`_MADV_DONTNEED`) the pieces read ahead that end
+        ``lag`` units or more before unit ``i``: no unit in flight reads them any more.
+        A random read of a window maps nearly all of its pages within its first few
+        percent (a fault maps the pages around the one touched), so an epoch keeps at
+        most about two windows mapped, the one read and the one before it, until the
+        lag is past; a subset read in written order, the records its units in flight
+        span (a few units' worth: its units are cut by its density, see `MappedPlan`).
+        What an ended epoch kept is dropped when the next one starts (`drop_all`).
+
+        Called for each unit as it is gathered (``lag``: the readers' units, which may
+        still be gathering) or, where TensorFlow gathers (`row_block`), as it is handed
+        out (``lag``: the readers' and four more, for TensorFlow's buffers after them:
+        with two more, `fit` in a memory cgroup smaller than the data read some runs'
+        data twice from disk, its late gathers mapping pages already dropped, and
+        evicted, again). In a 1.5 GiB cgroup over 3 GB (`benchmarks/larger_than_memory.py`)
+        bytes read per byte delivered stayed at 1.01 reading, 1.04-1.05 in `fit`.
+        """
+        order = self.plan.order
+        if not (order.windowed or order.in_written_order):
+            return
+        pos = self.first_row + self.span(i)[0] - lag * self.unit_rows
+        if pos <= 0:
+            return
+        piece_of, records_of = self._pieces()
+        past = int(piece_of(np.array([pos]))[0])  # the pieces before it are read
+        with self._lock:
+            state = self._piece_state()
             done = np.flatnonzero(state[:past] == 1)
             state[done] = 2
-        for ks, advice in ((done, _MADV_DONTNEED), (ahead, _MADV_WILLNEED)):
-            if len(ks):
-                self.plan.advise(np.concatenate([records_of(k) for k in ks.tolist()]), advice)
+        if len(done):
+            self.plan.advise(np.concatenate([records_of(k) for k in done.tolist()]), _MADV_DONTNEED)
+
+    def drop_all(self) -> None:
+        """Drops every piece read ahead and not dropped (the epoch is over)."""
+        with self._lock:
+            state = self._advised
+            done = np.empty(0, np.int64) if state is None else np.flatnonzero(state == 1)
+            if state is not None:
+                state[done] = 2
+        if len(done):
+            _, records_of = self._pieces()
+            self.plan.advise(np.concatenate([records_of(k) for k in done.tolist()]), _MADV_DONTNEED)
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""
@@ -927,7 +990,9 @@ class Epoch:
     def unit(self, i: int) -> Any:
         lo, hi = self.span(i)
         ids = self.plan.good_samples(self._ids(lo, hi), self.number, i)
-        return self._gather(ids)
+        out = self._gather(ids)
+        self._drop_behind(i, self.plan.readers)
+        return out
 
     def block(self, i: int) -> list[np.ndarray]:
         """Unit ``i`` as ``[batches, rows, sample_bytes]`` per feature (views of the
@@ -945,6 +1010,7 @@ class Epoch:
         lo, hi = self.span(i)
         ids = self.plan.good_samples(self._ids(lo, hi), self.number, i)
         batches = -(-len(ids) // self.plan.batch_size)
+        self._drop_behind(i, self.plan.readers + 4)
         self._handed_out()
         return [r.reshape(batches, -1) for r in self.plan.rows(ids)]
 
@@ -966,6 +1032,7 @@ class Epoch:
             self.plan.begin_epoch()
         k = self._next_unit
         if k >= self.num_units:
+            self.drop_all()  # every unit is gathered
             raise StopIteration
         self._next_unit = k + 1
         with self._lock:
