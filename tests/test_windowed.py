@@ -459,3 +459,19 @@ def test_records_dropped_are_rounded_out_to_what_a_fault_maps(sorted_small_recor
         assert first <= a and b <= end  # within the file's mapping
         assert (a - first) % block == 0 and ((b - first) % block == 0 or b == end)
         assert a > lo - block and (b < hi + block)  # rounded out, no further
+
+
+def test_an_iterator_closed_mid_epoch_drops_what_it_read_ahead(sorted_small_records, monkeypatch):
+    d, _, _ = sorted_small_records
+    monkeypatch.setattr(mapped, "_UNIT_BYTES", 256 << 10)
+    monkeypatch.setattr(mapped, "_ORDER_ROWS", 1024)
+    src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="256KB")
+    log = _spy_advice(monkeypatch)
+    it = src.as_numpy_iterator()
+    for _ in range(6):
+        next(it)
+    ahead = sorted(r for e in log if e[0] == "ahead" for r in e[1])
+    assert 0 < len(ahead) < src._manifest.total_records  # not the whole epoch
+    it.close()
+    dropped = sorted(r for e in log if e[0] == "drop" for r in e[1])
+    assert dropped == sorted(r for e in log if e[0] == "ahead" for r in e[1])

@@ -365,7 +365,7 @@ class MappedPlan:
         # A subset read in written order (a validation subset where windows are asked
         # for) is a scan whose samples are spread over every record: a unit of it spans
         # as many written samples as the unit's rows over the subset's density, and the
-        # records of its units in flight stay mapped (`Epoch._advise`). So its units and
+        # records of its units in flight stay mapped (`Epoch._drop_behind`). So its units and
         # order steps are cut by that density (at least a batch): they span about what
         # a unit of the whole data set spans. Uncut, a 5 % subset of 3 GB kept all of
         # its records mapped.
@@ -1049,6 +1049,7 @@ class Epoch:
                 fut.cancel()
             self._units.clear()
         self._pool.shutdown()
+        self.drop_all()  # (a gather still running may map some of it again)
 
 
 class _DaemonPool:
