@@ -475,3 +475,36 @@ def test_an_iterator_closed_mid_epoch_drops_what_it_read_ahead(sorted_small_reco
     it.close()
     dropped = sorted(r for e in log if e[0] == "drop" for r in e[1])
     assert dropped == sorted(r for e in log if e[0] == "ahead" for r in e[1])
+
+
+def test_tf_data_drops_each_window_once_and_the_last_when_the_next_epoch_starts(
+    sorted_small_records, monkeypatch
+):
+    """Where TensorFlow gathers (the lattice's tf.data pipeline, what `fit` reads under
+    TensorFlow), windows are dropped as units are handed out, and what an epoch kept
+    (TensorFlow may still gather from its last units) when the next iterator starts."""
+    d, x, y = sorted_small_records
+    monkeypatch.setattr(mapped, "_UNIT_BYTES", 256 << 10)
+    monkeypatch.setattr(mapped, "_LATTICE_UNIT_ROWS", 1024)
+    monkeypatch.setattr(mapped, "_ORDER_ROWS", 1024)
+    src = TFRecordSequenceSource(d, batch_size=256, seed=0, shuffle_window="256KB")
+    order = src._order
+    assert src._mapped_plan.lattice_unit_rows == 1024
+    log = _spy_advice(monkeypatch)
+    windows = [sorted(order.window_records_of(0, k).tolist()) for k in range(order.window_count)]
+
+    def records(kind, entries):
+        return sorted(r for e in entries if e[0] == kind for r in e[1])
+
+    batches = [(a.numpy(), b.numpy()) for a, b in src.map(lambda a, b: (a, b))]  # epoch 0
+    _check_batches(batches, x, y, src.sample_order(0))
+    assert records("ahead", log) == sorted(r for w in windows for r in w)  # each once
+    dropped = records("drop", log)
+    assert len(set(dropped)) == len(dropped)  # at most once
+    assert len(dropped) >= len(windows) // 2 * len(windows[0])  # most while reading
+    left = sorted(set(records("ahead", log)) - set(dropped))
+    assert left  # TensorFlow may still gather from the last units: kept until ...
+    seen = len(log)
+    it = iter(src.map(lambda a, b: (a, b)))  # epoch 1
+    next(it)
+    assert left == sorted(set(records("drop", log[seen:])) & set(left))  # ... it starts
