@@ -917,17 +917,28 @@ class Epoch:
         `_MADV_WILLNEED`: the kernel reads a window's records (or a scan's) from disk in
         large requests while the pieces before them are consumed. `_drop_behind` drops
         them from the mapping once read through."""
-        piece_of, records_of = self._pieces()
+        piece_of, _ = self._pieces()
         ahead_of = min(hi + (hi - lo), self.plan.order.size) - 1
         first, last = (int(k) for k in piece_of(np.array([lo, ahead_of])))
         with self._lock:  # the order's pieces may be worked out by several threads at once
             state = self._piece_state()
             ahead = first + np.flatnonzero(state[first : last + 1] == 0)
             state[ahead] = 1
-        if len(ahead):
-            self.plan.advise(
-                np.concatenate([records_of(k) for k in ahead.tolist()]), _MADV_WILLNEED
-            )
+        self._advise_pieces(ahead, _MADV_WILLNEED)
+
+    def _advise_pieces(self, pieces: np.ndarray, advice: int) -> None:
+        """`MappedPlan.advise` over the records of ``pieces``, in one call."""
+        if len(pieces):
+            _, records_of = self._pieces()
+            self.plan.advise(np.concatenate([records_of(k) for k in pieces.tolist()]), advice)
+
+    def _drop_before(self, past: int) -> None:
+        """Drops the pieces before piece ``past`` that were read ahead and not dropped."""
+        with self._lock:
+            state = self._piece_state()
+            done = np.flatnonzero(state[:past] == 1)
+            state[done] = 2
+        self._advise_pieces(done, _MADV_DONTNEED)
 
     def _drop_behind(self, i: int, lag: int) -> None:
         """Drops from the mapping (`_MADV_DONTNEED`) the pieces read ahead that end
@@ -953,25 +964,13 @@ class Epoch:
         pos = self.first_row + self.span(i)[0] - lag * self.unit_rows
         if pos <= 0:
             return
-        piece_of, records_of = self._pieces()
-        past = int(piece_of(np.array([pos]))[0])  # the pieces before it are read
-        with self._lock:
-            state = self._piece_state()
-            done = np.flatnonzero(state[:past] == 1)
-            state[done] = 2
-        if len(done):
-            self.plan.advise(np.concatenate([records_of(k) for k in done.tolist()]), _MADV_DONTNEED)
+        piece_of, _ = self._pieces()
+        self._drop_before(int(piece_of(np.array([pos]))[0]))  # the pieces before it are read
 
     def drop_all(self) -> None:
         """Drops every piece read ahead and not dropped (the epoch is over)."""
-        with self._lock:
-            state = self._advised
-            done = np.empty(0, np.int64) if state is None else np.flatnonzero(state == 1)
-            if state is not None:
-                state[done] = 2
-        if len(done):
-            _, records_of = self._pieces()
-            self.plan.advise(np.concatenate([records_of(k) for k in done.tolist()]), _MADV_DONTNEED)
+        if self._advised is not None:
+            self._drop_before(len(self._advised))
 
     def span(self, i: int) -> tuple[int, int]:
         """Stream positions ``[lo, hi)`` of unit ``i``, counted from ``first_row``."""
