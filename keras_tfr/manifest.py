@@ -242,9 +242,10 @@ class Manifest:
                     "`ArraysToRecords(..., resume=True)` or start over with `overwrite=True`."
                 )
             if not _io.isdir(directory):
+                what = "is a file" if _io.exists(directory) else "does not exist"
                 raise ManifestError(
                     f"Expected `directory` to be a keras-tfr data set directory. "
-                    f"Received: {directory!r}, which does not exist."
+                    f"Received: {directory!r}, which {what}."
                 )
             raise ManifestError(
                 f"Expected `directory` to be a keras-tfr data set directory with a "

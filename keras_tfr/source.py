@@ -74,7 +74,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
             `tf.io.gfile` URL (``gs://``, ``s3://``, ``hdfs://``, ``ram://``).
         batch_size: samples per batch.
         shuffle: a new order every epoch, as ``fit(x, y, shuffle=True)`` (default True, as
-            in Keras' ``*_dataset_from_directory`` utilities; False reads in written order).
+            in Keras' ``*_dataset_from_directory`` utilities; False reads in written order,
+            a split's subset included: the samples the split picked, in increasing
+            written index, in either mode).
             What is shuffled depends on ``access``: single samples (sample mode) or
             records, then samples inside pools of records (block mode).
         seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
@@ -111,10 +113,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
             a data set larger than memory needs: the pages an epoch needs at a time are
             about one window's, and a batch still mixes samples of many records drawn
             from the whole data set. With a window, ``shuffle=False`` reads a split's
-            subset in written order (a scan). ``"auto"`` (default): None when the data
-            set fits in half of this machine's memory (or of its cgroup's limit, where
-            lower), else an eighth of it, rounded down to a power of two. The split is
-            the same either way.
+            subset as a scan, read ahead and dropped the same way. ``"auto"``
+            (default): None when the data set fits in half of this machine's memory (or
+            of its cgroup's limit, where lower), else an eighth of it, rounded down to a
+            power of two. The split is the same either way.
         on_corrupt: ``"raise"`` (default) stops at a damaged record with a
             `CorruptRecordError` naming its file and byte offset; ``"skip"`` logs it, drops
             it and fills the epoch with other samples, so the step count stays the one

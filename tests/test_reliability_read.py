@@ -145,6 +145,8 @@ def test_open_refuses_a_shard_grown_by_appended_bytes(dataset):
 def test_open_refuses_missing_or_incomplete_dataset(tmp_path, dataset):
     with pytest.raises(ManifestError, match="does not exist"):
         TFRecordSequenceSource(str(tmp_path / "nowhere"), batch_size=8)
+    with pytest.raises(ManifestError, match=f"{MANIFEST_NAME}', which is a file"):
+        TFRecordSequenceSource(os.path.join(dataset[0], MANIFEST_NAME), batch_size=8)
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ManifestError, match="has none"):
         TFRecordSequenceSource(str(tmp_path / "empty"), batch_size=8)

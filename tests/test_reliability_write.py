@@ -175,6 +175,14 @@ def test_unsupported_dtype_in_a_dict_names_its_key(tmp_path, write):
     assert not os.path.exists(d) or not os.listdir(d), "nothing of the batch was written"
 
 
+@pytest.mark.parametrize("x", [{"a": {"b": np.zeros((4, 2))}}, [{"b": np.zeros((4, 2))}]])
+def test_nested_inputs_are_refused_naming_the_nesting(tmp_path, x):
+    d = str(tmp_path / "ds")
+    with pytest.raises(TypeError, match=r"`x\[.*\]` to be an array: inputs nest one level"):
+        ArraysToRecords.from_arrays(x, np.zeros(4), d, verbose=0)
+    assert not os.path.exists(d)
+
+
 def test_changing_shape_dtype_or_structure_between_writes_is_refused(tmp_path):
     d = str(tmp_path / "ds")
     x, y = _data(40)

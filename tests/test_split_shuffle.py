@@ -122,7 +122,13 @@ def test_block_mode_splits_a_small_data_set_by_sample_as_sample_mode_does(
     assert sorted(np.concatenate(list(got.values())).tolist()) == list(range(n))
     if compression is None:
         for subset, src in _subsets(d, shuffle=shuffle, access="samples").items():
-            assert np.array_equal(np.sort(_ys(src)), np.sort(got[subset]))
+            if shuffle:
+                assert np.array_equal(np.sort(_ys(src)), np.sort(got[subset]))
+            else:  # both in written order: the very same stream
+                assert np.array_equal(_ys(src), got[subset])
+    if not shuffle:
+        for ids in got.values():
+            assert (np.diff(ids) > 0).all()
     if shuffle:  # a new order each epoch, the same samples
         again = _ys(blocks["training"])
         assert not np.array_equal(again, got["training"])
@@ -224,3 +230,37 @@ def test_block_mode_splits_by_sample_up_to_64_records_and_4mi_samples(tmp_path, 
         assert src.num_samples == int(0.3 * n)
     else:
         assert src.num_samples % spr in by_records
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(subset="validation"),
+        dict(subset="training"),
+        dict(subset="validation", num_workers=3, worker_index=1),
+        dict(subset="training", num_workers=2, worker_index=0, shuffle_window="64KB"),
+    ],
+)
+def test_unshuffled_subsets_read_in_written_order(tmp_path, kw):
+    """``shuffle=False`` reads in written order, a split's subset (or a worker's share of
+    it) included, with or without windows: what `predict` needs to line up with the
+    arrays. The subset is the one the shuffled source reads."""
+    n = 5000
+    d = str(tmp_path / "ds")
+    y = np.arange(n, dtype=np.int64)
+    x = np.random.default_rng(0).standard_normal((n, 6)).astype(np.float32)
+    ArraysToRecords.from_arrays(x, y, d, samples_per_record=128, verbose=0)
+    common = dict(batch_size=64, seed=7, validation_split=0.3, access="samples", **kw)
+    src = TFRecordSequenceSource(d, shuffle=False, **common)
+    ids = _ys(src)
+    assert (np.diff(ids) > 0).all()
+    assert np.array_equal(ids, src.sample_order(0)) and np.array_equal(ids, src.sample_order(3))
+    assert np.array_equal(np.concatenate([b[0] for b in src.as_numpy_iterator()]), x[ids])
+    shuffled = TFRecordSequenceSource(d, shuffle=True, **common)
+    assert np.array_equal(np.sort(_ys(shuffled)), ids)
+    import keras
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    np.testing.assert_allclose(
+        model.predict(src, verbose=0), model.predict(x[ids], batch_size=64, verbose=0)
+    )

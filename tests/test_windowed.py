@@ -307,28 +307,37 @@ def test_a_containers_memory_limit_counts_as_the_memory(tmp_path, monkeypatch, v
 
 @pytest.mark.parametrize("share", [s for s in SHARES if "validation_split" in s])
 @pytest.mark.parametrize("chunk", [50, 1 << 20])
-def test_unshuffled_with_windows_reads_a_subset_in_written_order(share, chunk, monkeypatch):
-    """Unshuffled, a split's subset is read in the split's (random) order; where windows
-    are asked for, in written order: a scan of the shards, not random reads from disk."""
+@pytest.mark.parametrize("kept", [True, False])
+def test_unshuffled_with_windows_reads_a_subset_in_written_order(share, chunk, kept, monkeypatch):
+    """Unshuffled, a split's subset is read in written order, the samples the split's
+    permutation picked; where windows are asked for, that read is a scan (its records
+    read ahead and dropped), not random reads from disk. A subset of up to
+    `WINDOW_SAMPLES` samples is worked out once and kept; a larger one step by step."""
     from keras_tfr.read import order as order_module
 
     monkeypatch.setattr(order_module, "_COUNT_CHUNK", chunk)  # records looked at per step
+    if not kept:
+        monkeypatch.setattr(order_module, "WINDOW_SAMPLES", 100)
     kw = dict(seed=1, shuffle=False, batch_size=32, **share)
     o = SampleOrder(10_003, samples_per_record=7, window_records=5, **kw)
     plain = SampleOrder(10_003, **kw)
-    assert o.in_written_order and not o.windowed
+    assert o.in_written_order and o.scan and not o.windowed
+    assert plain.in_written_order and not plain.scan
     e = o.epoch(0)
-    assert np.array_equal(e, np.sort(plain.epoch(0)))
+    assert (np.diff(e) > 0).all() and np.array_equal(e, plain.epoch(0))
+    picked = plain.subset_samples(np.arange(plain.size, dtype=np.int64))
+    assert np.array_equal(e, np.sort(picked))
     pieces = [o.samples(0, a, a + 64) for a in range(0, o.size, 64)]
     assert np.array_equal(np.concatenate(pieces), e)
-    assert not SampleOrder(
-        10_003, samples_per_record=7, window_records=10**6, **kw
-    ).in_written_order
+    assert (o._written is not None) == kept
+    monkeypatch.undo()
+    whole = SampleOrder(10_003, samples_per_record=7, window_records=10**6, **kw)
+    assert whole.in_written_order and not whole.scan
     # Without a split, unshuffled is the written order already.
     no_split = {k: v for k, v in share.items() if k in ("num_workers", "worker_index")}
     kw = dict(seed=1, shuffle=False, batch_size=32, **no_split)
     o = SampleOrder(10_003, samples_per_record=7, window_records=5, **kw)
-    assert not o.in_written_order and (np.diff(o.epoch(0)) == 1).all()
+    assert not o.in_written_order and not o.scan and (np.diff(o.epoch(0)) == 1).all()
 
 
 def test_an_unshuffled_validation_subset_of_windowed_data_is_a_scan(sorted_small_records):
@@ -370,7 +379,7 @@ def test_a_scan_reads_records_ahead_and_drops_them_once_read(sorted_small_record
     kw = dict(batch_size=256, seed=0, validation_split=0.5, subset="validation", shuffle=False)
     src = TFRecordSequenceSource(d, shuffle_window="256KB", **kw)
     order = src._order
-    assert order.in_written_order
+    assert order.in_written_order and order.scan
     log = _spy_advice(monkeypatch, src)
     _check_batches(list(src.as_numpy_iterator()), x, y, src.sample_order(0))
     # Units and order steps cut by the subset's density (a half): 2 batches.
@@ -393,7 +402,7 @@ def test_a_sparse_scan_keeps_few_records_mapped(sorted_small_records, monkeypatc
     monkeypatch.setattr(mapped, "_LATTICE_UNIT_ROWS", 1024)
     kw = dict(batch_size=32, seed=0, validation_split=0.05, subset="validation", shuffle=False)
     src = TFRecordSequenceSource(d, shuffle_window="256KB", num_parallel_reads=2, **kw)
-    assert src._order.in_written_order and src._order.size == 1000
+    assert src._order.scan and src._order.size == 1000
     plan = src._mapped_plan
     assert plan.unit_rows == plan.lattice_unit_rows == 32  # 33 batches x 0.05: one
     held: set[int] = set()

@@ -362,14 +362,14 @@ class MappedPlan:
         # slice of the order).
         lattice_batches = max(unit_batches, -(-_LATTICE_UNIT_ROWS // batch_size))
         self.order_rows = _ORDER_ROWS
-        # A subset read in written order (a validation subset where windows are asked
-        # for) is a scan whose samples are spread over every record: a unit of it spans
-        # as many written samples as the unit's rows over the subset's density, and the
-        # records of its units in flight stay mapped (`Epoch._drop_behind`). So its units and
-        # order steps are cut by that density (at least a batch): they span about what
-        # a unit of the whole data set spans. Uncut, a 5 % subset of 3 GB kept all of
-        # its records mapped.
-        if order.in_written_order:
+        # A subset scanned in written order (an unshuffled validation subset where
+        # windows are asked for: `SampleOrder.scan`) has its samples spread over every
+        # record: a unit of it spans as many written samples as the unit's rows over the
+        # subset's density, and the records of its units in flight stay mapped
+        # (`Epoch._drop_behind`). So its units and order steps are cut by that density
+        # (at least a batch): they span about what a unit of the whole data set spans.
+        # Uncut, a 5 % subset of 3 GB kept all of its records mapped.
+        if order.scan:
             density = order.size / max(1, order.total)
             unit_batches, lattice_batches = (
                 max(1, int(b * density)) for b in (unit_batches, lattice_batches)
@@ -881,7 +881,7 @@ class Epoch:
             hi = min(lo + self._group * self.unit_rows, plan.total_rows)
             try:
                 ids = plan.order.samples(self.number, lo, hi)
-                if (plan.order.windowed or plan.order.in_written_order) and hi > lo:
+                if (plan.order.windowed or plan.order.scan) and hi > lo:
                     self._advise(lo, hi)
             except BaseException as e:
                 fut.set_exception(e)
@@ -893,8 +893,9 @@ class Epoch:
     def _pieces(self) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[int], np.ndarray]]:
         """The pieces an order is read in, for `_advise` and `_drop_behind`: windows (the
         windowed shuffle reads a window's records, then the next window's) or single
-        records (a subset read in written order, unshuffled where windows are asked
-        for). Returns the piece of each stream position and the records of a piece."""
+        records (a subset scanned in written order, unshuffled where windows are asked
+        for: `SampleOrder.scan`). Returns the piece of each stream position and the
+        records of a piece."""
         order, number = self.plan.order, self.number
         if order.windowed:
             return (
@@ -959,7 +960,7 @@ class Epoch:
         bytes read per byte delivered stayed at 1.01 reading, 1.04-1.05 in `fit`.
         """
         order = self.plan.order
-        if not (order.windowed or order.in_written_order):
+        if not (order.windowed or order.scan):
             return
         pos = self.first_row + self.span(i)[0] - lag * self.unit_rows
         if pos <= 0:

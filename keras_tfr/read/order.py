@@ -233,22 +233,31 @@ class SampleOrder:
         self.spr = int(samples_per_record)
         self.records = -(-self.total // self.spr) if self.spr > 0 else 0
         self.window_records: int | None = None
-        # Unshuffled, a subset of a split is read in the order of the split's permutation
-        # (each batch sorted), which is random over the whole data set; where windows are
-        # asked for (data larger than memory) it is read in written order instead: a scan.
-        self.in_written_order = False
+        # Unshuffled, a subset of a split (each worker's share of it) is read in written
+        # order, as data without a split is and as block mode reads it: the samples the
+        # split's permutation picked, in increasing written index. Where windows are asked
+        # for (data larger than memory) that read is a scan whose records are read ahead
+        # and dropped once read (`scan`, see `keras_tfr.read.mapped`).
+        self.in_written_order = not self.shuffle and self._split is not None
+        self.scan = False
         if window_records is not None and self.spr > 0:
             w = max(1, min(int(window_records), WINDOW_SAMPLES // self.spr))
             if w < self.records:
                 if self.shuffle:
                     self.window_records = w
                 else:
-                    self.in_written_order = self._split is not None
+                    self.scan = self.in_written_order
+        if self.spr <= 0:
+            # No records given (an order on its own): runs of samples stand in for them
+            # where the subset is counted per record to be read in written order.
+            self.spr = max(1, min(self.total, _COUNT_CHUNK >> 4))
+            self.records = -(-self.total // self.spr)
         self._lock = threading.Lock()
         self._counts: np.ndarray | None = None  # per record: samples of this share
         self._before: np.ndarray | None = None  # per record: share samples before it
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._windows: dict[tuple[int, int], np.ndarray] = {}
+        self._written: np.ndarray | None = None  # the share in written order, where small
 
     @property
     def windowed(self) -> bool:
@@ -391,7 +400,22 @@ class SampleOrder:
         return np.searchsorted(self._records_before(), positions, side="right") - 1
 
     def _in_written_order(self, start: int, stop: int) -> np.ndarray:
-        """The share's samples ``start`` to ``stop - 1`` in increasing written index."""
+        """The share's samples ``start`` to ``stop - 1`` in increasing written index.
+
+        The same in every epoch: a share of at most `WINDOW_SAMPLES` samples (32 MB of
+        indices) is worked out once and kept, as a validation subset read after every
+        epoch is; a larger one is worked out step by step, memory bounded.
+        """
+        if self.size > WINDOW_SAMPLES:
+            return self._scan(start, stop)
+        written = self._written
+        if written is None:  # (two threads may both work it out: the same array)
+            written = self._scan(0, self.size)
+            written.flags.writeable = False
+            self._written = written
+        return written[start:stop].copy()
+
+    def _scan(self, start: int, stop: int) -> np.ndarray:
         before = self._records_before()
         r, last = (int(k) - 1 for k in np.searchsorted(before, [start, stop - 1], side="right"))
         out, skip, want = [], start - int(before[r]), stop - start

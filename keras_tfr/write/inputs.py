@@ -61,6 +61,11 @@ def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
         return Variable.from_values(v, argument)
     if is_array_like(v):
         return v
+    if isinstance(v, Mapping):
+        raise TypeError(
+            f"Expected `{argument}` to be an array: inputs nest one level (a dict or a list "
+            f"of arrays). Received: a {type(v).__name__} with keys {sorted(map(str, v))[:5]}"
+        )
     if isinstance(v, (int, float, bool, np.generic)):
         raise ValueError(
             f"Expected `{argument}` to be an array whose first axis indexes samples. "
