@@ -689,14 +689,18 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 out[s.key] = tf.reshape(feature, [n_batches, -1, *s.shape])
             return structure(out)
 
+        # tf.data hands a tuple's components as arguments, anything else as one: a
+        # 1-tuple (`x` alone, a list of inputs) comes as one argument too.
+        one_tuple = self._x_alone_as_tuple()
+
+        def element(parts: tuple) -> Any:
+            return parts[0] if len(parts) == 1 and not one_tuple else parts
+
         def cut(*block: Any) -> tf.data.Dataset:
-            batches = tf.data.Dataset.from_tensor_slices(block[0] if len(block) == 1 else block)
+            batches = tf.data.Dataset.from_tensor_slices(element(block))
             if rows is None:
                 return batches
-            # One component comes as one argument, a tuple as several.
-            return batches.map(
-                lambda *b: tf.nest.map_structure(_rows(rows), b[0] if len(b) == 1 else b)
-            )
+            return batches.map(lambda *b: tf.nest.map_structure(_rows(rows), element(b)))
 
         return blocks.map(decode).flat_map(cut)
 
@@ -791,6 +795,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
             )
         return True
 
+    def _x_alone_as_tuple(self) -> bool:
+        """Whether each element is a 1-tuple: `x` alone, written as a list of inputs."""
+        structure = self._manifest.structure
+        return list(structure) == ["x"] and structure["x"] == "list"
+
     def _structure_fn(self) -> Callable[[dict], Any]:
         structure = self._manifest.structure
         specs = self._specs
@@ -805,10 +814,15 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return tuple(decoded[s.key] for s in sorted(role_specs, key=lambda s: int(s.name)))
 
         roles = [r for r in ("x", "y", "sample_weight") if r in structure]
+        one_tuple = self._x_alone_as_tuple()
 
         def fn(decoded: dict) -> Any:
             values = tuple(role_value(decoded, r) for r in roles)
-            return values[0] if len(values) == 1 else values
+            if len(values) > 1:
+                return values
+            # `x` alone: a list of inputs comes as a 1-tuple `((a, b),)`, which Keras reads
+            # as `x`; a bare `(a, b)` would be read as `(x, y)`.
+            return values if one_tuple else values[0]
 
         return fn
 

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -235,7 +236,7 @@ def count_records(
         try:
             n = int(ds.reduce(np.int64(0), lambda c, _: c + 1))
         except tf.errors.OpError as e:
-            raise OSError(f"Could not read the TFRecord file {path}: {e.message}") from e
+            raise OSError(f"Could not read the TFRecord file {path}: {_said(e)}") from e
         counts.append(n)
         if cache:
             caches[cache_path][name] = {
@@ -253,6 +254,12 @@ def count_records(
         except Exception as e:  # read-only directory: fine, count again next time
             log.info("keras-tfr: could not cache record counts in %s (%s)", cache_path, e)
     return counts
+
+
+def _said(error: Any) -> str:
+    """A TensorFlow error's message without the function and op names around it."""
+    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", str(error.message))
+    return re.sub(r"\s*\[Op:[^\]]*\].*$", "", text, flags=re.S).strip()
 
 
 # ---------------------------------------------------------------------- feature inference
@@ -273,9 +280,21 @@ def infer_features(
 
     seen: dict[str, list[tuple[str, int, Any]]] = {}
     n_records = 0
-    ds = tf.data.TFRecordDataset(paths[0], compression or "").take(max_records)
-    for raw in ds:
-        example = tf.train.Example.FromString(raw.numpy())
+    ds = iter(tf.data.TFRecordDataset(paths[0], compression or "").take(max_records))
+    while True:
+        try:
+            raw = next(ds)
+        except StopIteration:
+            break
+        except tf.errors.OpError as e:  # not TFRecords, or another compression
+            raise OSError(f"Could not read the TFRecord file {paths[0]}: {_said(e)}") from e
+        try:
+            example = tf.train.Example.FromString(raw.numpy())
+        except Exception as e:  # protobuf's DecodeError: not an Example
+            raise ValueError(
+                f"Cannot infer `features`: record {n_records} of {paths[0]} is not a "
+                "`tf.train.Example`; pass `features=` for what it holds."
+            ) from e
         n_records += 1
         for key, feature in example.features.feature.items():
             kind = feature.WhichOneof("kind")

@@ -49,6 +49,20 @@ def test_info_does_not_import_tensorflow(make_dataset, small_xy):
     assert "samples     34" in r.stdout and "shard-00000.tfrecord" in r.stdout
 
 
+def test_a_closed_stdout_ends_a_command_quietly(make_dataset, small_xy):
+    """``keras-tfr info DIR | head``: the reader of stdout goes away; the command ends with
+    141, as a shell reports a process ended by SIGPIPE, and prints no error."""
+    d = make_dataset(*small_xy)
+    code = "import sys; from keras_tfr.cli import main; sys.exit(main(['info', sys.argv[1]]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, d], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # before anything is printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "error" not in err and "Broken pipe" not in err, err
+
+
 def test_commands_that_import_tensorflow_print_none_of_its_start_up_lines(tmp_path):
     """`convert`, `verify` and `bench` import TensorFlow (Keras' progress bar does): its
     Abseil start-up lines, which `TF_CPP_MIN_LOG_LEVEL` does not reach, are filtered as in

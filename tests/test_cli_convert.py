@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -112,6 +113,33 @@ def test_convert_named_inputs_and_sample_weight_bit_for_bit(tmp_path, arrays, mo
         assert _bits(x[name]) == _bits(arrays[name]), name
     assert _bits(y) == _bits(arrays["y"])
     assert _bits(w) == _bits(arrays["w"])
+
+
+def test_convert_refuses_a_name_given_twice(tmp_path, arrays, capsys):
+    """``--x img=a.npy --x img=b.npy`` would keep one array of the two: a usage error."""
+    d = str(tmp_path / "ds")
+    image, meta = (f"img={tmp_path / n}.npy" for n in ("image", "meta"))
+    assert main(["convert", d, "--x", image, "--x", meta, "--quiet"]) == 2
+    assert "the name 'img' is given twice" in capsys.readouterr().err
+    assert not os.path.exists(d)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--shard-size", "0"], "Expected `--shard-size` to be a positive size"),
+        (["--min-shards", "0"], "Expected `--min-shards` to be a positive int"),
+        (["--record-size", "-1"], "`--record-size`"),
+        (["--sample-weight", "W"], "Expected `--y` with `--sample-weight`"),
+    ],
+)
+def test_convert_errors_name_the_flags(tmp_path, arrays, capsys, flags, said):
+    d = str(tmp_path / "ds")
+    flags = [str(tmp_path / "w.npy") if f == "W" else f for f in flags]
+    assert main(["convert", d, "--x", str(tmp_path / "image.npy"), *flags, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert not os.path.exists(d)
 
 
 def test_convert_gzip_shards_are_gzip_and_read_back_bit_for_bit(tmp_path, arrays, capsys):
@@ -438,3 +466,21 @@ def test_convert_shuffle_seed_writes_the_seeded_order_and_resume_names_the_flag(
     assert main([*base, "--shuffle-seed", "-1", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert "`--shuffle-seed`" in err and "shuffle_seed" not in err, err
+
+
+@pytest.mark.subprocess
+def test_serve_gives_up_on_a_dispatcher_that_does_not_answer():
+    """TensorFlow's workers wait for their dispatcher in a call that neither Ctrl-C nor
+    ``--duration`` stops: ``serve`` starts them only once it answers, and ends with
+    status 1 when ``--duration`` passes first."""
+    (port,) = _free_ports(1)  # nothing listens there
+    cmd = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "keras_tfr.cli"]
+    proc = subprocess.run(
+        [*cmd, "serve", "--dispatcher", f"127.0.0.1:{port}", "--duration", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"the dispatcher at 127.0.0.1:{port} did not answer; no worker" in proc.stderr
+    assert "worker:" not in proc.stdout

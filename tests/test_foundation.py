@@ -190,6 +190,31 @@ def test_x_only_yields_plain_tensors(make_dataset):
     assert isinstance(b, tf.Tensor) and b.shape == (4, 1)
 
 
+@pytest.mark.parametrize("access, spr", [("samples", 7), ("samples", None), ("blocks", 7)])
+def test_x_only_list_of_inputs_yields_a_one_tuple_keras_reads_as_x(make_dataset, access, spr):
+    """A bare ``(a, b)`` would be read by Keras as ``(x, y)``: a data set of a list of
+    inputs and nothing else yields ``((a, b),)``, and `predict` takes it as
+    ``predict([a, b])`` does."""
+    import keras
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((30, 4)).astype(np.float32)
+    b = rng.standard_normal((30, 3)).astype(np.float32)
+    d = make_dataset([a, b], samples_per_record=spr)  # None: one record, on a lattice
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False, access=access)
+    assert access == "blocks" or (src._mapped_plan.lattice is not None) == (spr is None)
+    first = next(iter(src))
+    assert isinstance(first, tuple) and len(first) == 1 and len(first[0]) == 2
+    assert _same_bits(first[0][0].numpy(), a[:8]) and _same_bits(first[0][1].numpy(), b[:8])
+    (numpy_first,) = next(src.as_numpy_iterator())
+    assert _same_bits(numpy_first[1], b[:8])
+    ia, ib = keras.Input((4,)), keras.Input((3,))
+    model = keras.Model([ia, ib], keras.layers.Dense(2)(keras.layers.Concatenate()([ia, ib])))
+    np.testing.assert_allclose(
+        model.predict(src, verbose=0), model.predict([a, b], batch_size=8, verbose=0)
+    )
+
+
 def test_incremental_writes_memmap_h5py_and_iterables_agree(tmp_path):
     h5py = pytest.importorskip("h5py")
     rng = np.random.default_rng(2)

@@ -695,6 +695,10 @@ def test_resume_with_other_input_is_refused(tmp_path):
         ArraysToRecords.from_arrays(x[:, :8], y, d, resume=True, **LAYOUT)
     with pytest.raises(ValueError, match="more than the 20 given"):
         ArraysToRecords.from_arrays(x[:20], y[:20], d, resume=True, **LAYOUT)
+    # An iterable of batches shorter than what is written is found at its end.
+    short = [(x[i : i + 7], y[i : i + 7]) for i in range(0, 21, 7)]
+    with pytest.raises(ValueError, match="more than the 21 the iterable gave"):
+        ArraysToRecords.from_arrays(short, directory=d, resume=True, **LAYOUT)
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)  # the right input still works
     assert verify(d).ok

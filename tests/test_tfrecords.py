@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -171,6 +172,32 @@ def test_infer_features_recognizes_serialized_tensors(tmp_path):
     assert f["image"] == TensorFeature("float32", (6, 4))
     assert f["label"].shape == [] and f["label"].dtype == tf.float32
     assert isinstance(f["tokens"], tf.io.VarLenFeature)
+
+
+def test_infer_features_names_a_file_it_cannot_read(tmp_path):
+    """Another compression, or records that are not `tf.train.Example`s: an error that
+    names the file, without TensorFlow's function and op names (the command line exits
+    2 on it, as on any bad input)."""
+    example = tf.train.Example(
+        features=tf.train.Features(
+            feature={"v": tf.train.Feature(float_list=tf.train.FloatList(value=[1.0]))}
+        )
+    ).SerializeToString()
+    plain, zipped, junk = (str(tmp_path / f"{n}.tfrecord") for n in ("plain", "zipped", "junk"))
+    for path, record, options in ((plain, example, None), (zipped, example, "GZIP")):
+        with tf.io.TFRecordWriter(path, options=options) as w:
+            w.write(record)
+    with tf.io.TFRecordWriter(junk) as w:
+        w.write(b"\xff\xfe not an Example")
+    for path, compression in ((plain, "GZIP"), (zipped, None)):
+        with pytest.raises(
+            OSError, match=f"Could not read the TFRecord file {re.escape(path)}"
+        ) as e:
+            infer_features([path], compression=compression)
+        assert "function_node" not in str(e.value) and "[Op:" not in str(e.value)
+    with pytest.raises(ValueError, match=r"record 0 of .*junk\.tfrecord is not a `tf\.train"):
+        infer_features([junk])
+    assert infer_features([zipped], compression="GZIP")["v"].shape == []
 
 
 def test_wrong_tensor_feature_names_the_feature(tmp_path):

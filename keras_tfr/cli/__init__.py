@@ -123,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("keras-tfr: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`keras-tfr info DIR | head`): as other
+        # command-line tools, end quietly, with 141 (128 + SIGPIPE) as a shell reports it.
+        # Later writes to stdout (at exit) go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except (KerasTFRError, ValueError, TypeError, OSError) as e:
         # One place turns bad input into exit code 2 for every subcommand.
         print(f"keras-tfr {args.command}: error: {with_flags(e)}", file=sys.stderr)
@@ -144,6 +151,12 @@ _FLAGS = {
     "`shuffle_seed`": "`--shuffle-seed`",
     "shuffle_seed=None": "no --shuffle-seed",
     "shuffle_seed=": "--shuffle-seed ",
+    "`shard_size`": "`--shard-size`",
+    "`record_size`": "`--record-size`",
+    "`min_shards`": "`--min-shards`",
+    "`compression`": "`--compression`",
+    "Expected `y` with `sample_weight`": "Expected `--y` with `--sample-weight`",
+    "Received: y=None and sample_weight": "Received: no --y and --sample-weight",
 }
 
 

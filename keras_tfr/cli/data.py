@@ -121,6 +121,8 @@ def _role_value(specs: list[str] | None) -> Any:
         name, sep, spec = s.partition("=")
         if not sep:
             raise ValueError(f"with several arrays for one role, name each: NAME=SPEC (got {s!r})")
+        if name in out:
+            raise ValueError(f"the name {name!r} is given twice (NAME=SPEC names one array each)")
         out[name] = load_array(spec)
     return out
 

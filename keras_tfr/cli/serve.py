@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -19,6 +20,8 @@ __all__ = ["add_arguments", "run"]
 
 # How long Ctrl-C waits for the servers to stop before the process ends without them.
 _STOP_SECONDS = 10.0
+# How long `--dispatcher` waits for its dispatcher before the command says it is waiting.
+_WAIT_NOTICE_SECONDS = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +68,43 @@ def _stop(stop: Callable[[], object], seconds: float) -> bool:
     return not stopper.is_alive()
 
 
+def _wait_for_dispatcher(address: str, deadline: float | None) -> int:
+    """Waits until the dispatcher at ``address`` takes a TCP connection (0), or the
+    deadline passes or Ctrl-C comes (1, said on stderr); 2 for an address without a
+    port. TensorFlow's workers wait for their dispatcher inside one call that neither
+    Ctrl-C nor ``--duration`` can stop, so they start only once it answers."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        print(
+            f"keras-tfr serve: error: --dispatcher must be HOST:PORT, got {address!r}",
+            file=sys.stderr,
+        )
+        return 2
+    notice: float | None = time.monotonic() + _WAIT_NOTICE_SECONDS
+    try:
+        while True:
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+                return 0
+            except OSError:
+                pass
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            if notice is not None and now >= notice:
+                notice = None
+                print(f"waiting for the dispatcher at {address}...", file=sys.stderr, flush=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    print(
+        f"keras-tfr serve: error: the dispatcher at {address} did not answer; no worker "
+        "was started",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def _take_stop_signals() -> None:
     """Lets Ctrl-C and SIGTERM reach this process even where its parent ignored or blocked
     them: both are inherited across ``exec`` (a shell's background job ignores SIGINT; a
@@ -91,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
         print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
         return 2
     _take_stop_signals()  # before TensorFlow starts its threads, which inherit the mask
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+    if args.dispatcher is not None:
+        rc = _wait_for_dispatcher(args.dispatcher, deadline)
+        if rc:
+            return rc
     from keras_tfr.distribute import start_service
 
     cluster = start_service(
@@ -111,7 +156,6 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
         # Inside the `try`: a Ctrl-C right after this line still stops the servers.
         print("serving; press Ctrl-C to stop", flush=True)

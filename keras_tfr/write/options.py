@@ -44,7 +44,7 @@ class WriteOptions:
     Example:
         >>> options = WriteOptions(shard_size="64MB", compression="gzip")
         >>> options.shard_bytes, options.compression
-        (67108864, 'GZIP')
+        (64000000, 'GZIP')
     """
 
     shard_size: int | str = DEFAULT_SHARD_SIZE

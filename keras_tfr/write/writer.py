@@ -439,5 +439,12 @@ def _write_iterable(
                 parts = tuple(inputs.slice_parts(p, skip, n) for p in parts)
                 skip = 0
             writer.write(*parts)
+        if skip:  # (the writer aborts: the unfinished conversion stays as it was)
+            start = writer.resumed_samples
+            raise ValueError(
+                f"The unfinished conversion in {directory} already holds {start} samples, "
+                f"more than the {start - skip} the iterable gave: resume it with the same "
+                "input."
+            )
     assert writer.manifest is not None
     return writer.manifest
