@@ -865,6 +865,7 @@ class Epoch:
         # Read ahead (`_advise`) and dropped behind (`_drop_behind`): per window of the
         # windowed shuffle, or per record of a subset read in written order.
         self._advised: np.ndarray | None = None
+        self._advising = threading.Lock()  # held from marking pieces to advising them
 
     def _order(self, g: int) -> np.ndarray:
         """Written sample indices of the stream positions of units ``g * group`` on."""
@@ -921,11 +922,16 @@ class Epoch:
         piece_of, _ = self._pieces()
         ahead_of = min(hi + (hi - lo), self.plan.order.size) - 1
         first, last = (int(k) for k in piece_of(np.array([lo, ahead_of])))
-        with self._lock:  # the order's pieces may be worked out by several threads at once
-            state = self._piece_state()
-            ahead = first + np.flatnonzero(state[first : last + 1] == 0)
-            state[ahead] = 1
-        self._advise_pieces(ahead, _MADV_WILLNEED)
+        # The order's steps may be worked out by several threads at once: a step whose
+        # pieces another thread has marked waits until that thread has advised them, so
+        # that no unit reads a piece before it is read ahead (and, in `_drop_before`, a
+        # unit that finds its pieces marked dropped does not go on before they are).
+        with self._advising:
+            with self._lock:
+                state = self._piece_state()
+                ahead = first + np.flatnonzero(state[first : last + 1] == 0)
+                state[ahead] = 1
+            self._advise_pieces(ahead, _MADV_WILLNEED)
 
     def _advise_pieces(self, pieces: np.ndarray, advice: int) -> None:
         """`MappedPlan.advise` over the records of ``pieces``, in one call."""
@@ -934,12 +940,14 @@ class Epoch:
             self.plan.advise(np.concatenate([records_of(k) for k in pieces.tolist()]), advice)
 
     def _drop_before(self, past: int) -> None:
-        """Drops the pieces before piece ``past`` that were read ahead and not dropped."""
-        with self._lock:
-            state = self._piece_state()
-            done = np.flatnonzero(state[:past] == 1)
-            state[done] = 2
-        self._advise_pieces(done, _MADV_DONTNEED)
+        """Drops the pieces before piece ``past`` that were read ahead and not dropped
+        (once this returns, they are: see `_advise`)."""
+        with self._advising:
+            with self._lock:
+                state = self._piece_state()
+                done = np.flatnonzero(state[:past] == 1)
+                state[done] = 2
+            self._advise_pieces(done, _MADV_DONTNEED)
 
     def _drop_behind(self, i: int, lag: int) -> None:
         """Drops from the mapping (`_MADV_DONTNEED`) the pieces read ahead that end
