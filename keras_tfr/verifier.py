@@ -77,11 +77,11 @@ def _iter_records(path: str, compression: str | None) -> Iterator[tuple[int | No
             finally:
                 reader.close()
             return
-    options = tf.io.TFRecordOptions(compression_type=compression or "")
-    it = tf.compat.v1.io.tf_record_iterator(path, options)
+    # (Not `tf.compat.v1.io.tf_record_iterator`: deprecated, it prints a warning.)
+    it = iter(tf.data.TFRecordDataset(path, compression or ""))
     while True:
         try:
-            record = next(it)
+            record = next(it).numpy()
         except StopIteration:
             return
         except Exception as e:

@@ -49,6 +49,16 @@ def test_info_does_not_import_tensorflow(make_dataset, small_xy):
     assert "samples     34" in r.stdout and "shard-00000.tfrecord" in r.stdout
 
 
+def test_verify_of_compressed_shards_prints_no_deprecation_warning(make_dataset, small_xy):
+    """GZIP shards are checked record by record through tf.data (TensorFlow's
+    `tf_record_iterator` printed that it is deprecated)."""
+    d = make_dataset(*small_xy, compression="GZIP", samples_per_record=4)
+    r = run("verify", d)
+    assert r.returncode == 0, r.stderr
+    assert "deprecat" not in r.stderr.lower(), r.stderr
+    assert "OK" in r.stdout or "ok" in r.stdout.lower(), r.stdout
+
+
 def test_a_closed_stdout_ends_a_command_quietly(make_dataset, small_xy):
     """``keras-tfr info DIR | head``: the reader of stdout goes away; the command ends with
     141, as a shell reports a process ended by SIGPIPE, and prints no error."""
