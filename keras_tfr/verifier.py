@@ -9,6 +9,7 @@ the byte offset of the first bad record where there is one.
 
 from __future__ import annotations
 
+import logging
 import struct
 import zlib
 from collections.abc import Iterator
@@ -77,11 +78,20 @@ def _iter_records(path: str, compression: str | None) -> Iterator[tuple[int | No
             finally:
                 reader.close()
             return
-    # (Not `tf.compat.v1.io.tf_record_iterator`: deprecated, it prints a warning.)
-    it = iter(tf.data.TFRecordDataset(path, compression or ""))
+    options = tf.io.TFRecordOptions(compression_type=compression or "")
+    # Not tf.data: this reader starts no TensorFlow runtime (a JAX or torch program's
+    # GPU stays TensorFlow's to hide). Its call logs that it is deprecated, which says
+    # nothing to a user of `verify`.
+    tf_log = logging.getLogger("tensorflow")
+    level = tf_log.level
+    tf_log.setLevel(logging.ERROR)
+    try:
+        it = tf.compat.v1.io.tf_record_iterator(path, options)
+    finally:
+        tf_log.setLevel(level)
     while True:
         try:
-            record = next(it).numpy()
+            record = next(it)
         except StopIteration:
             return
         except Exception as e:

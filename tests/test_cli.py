@@ -50,8 +50,8 @@ def test_info_does_not_import_tensorflow(make_dataset, small_xy):
 
 
 def test_verify_of_compressed_shards_prints_no_deprecation_warning(make_dataset, small_xy):
-    """GZIP shards are checked record by record through tf.data (TensorFlow's
-    `tf_record_iterator` printed that it is deprecated)."""
+    """GZIP shards are checked record by record by TensorFlow's `tf_record_iterator`,
+    which logs that it is deprecated: held back."""
     d = make_dataset(*small_xy, compression="GZIP", samples_per_record=4)
     r = run("verify", d)
     assert r.returncode == 0, r.stderr
