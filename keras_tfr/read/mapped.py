@@ -955,9 +955,10 @@ class Epoch:
         A random read of a window maps nearly all of its pages within its first few
         percent (a fault maps the pages around the one touched), so an epoch keeps at
         most about two windows mapped, the one read and the one before it, until the
-        lag is past; a subset read in written order, the records its units in flight
-        span (a few units' worth: its units are cut by its density, see `MappedPlan`).
-        What an ended epoch kept is dropped when the next one starts (`drop_all`).
+        lag is past; a subset scanned in written order (`SampleOrder.scan`), the
+        records its units in flight span (a few units' worth: its units are cut by its
+        density, see `MappedPlan`). What an ended epoch kept is dropped when the next
+        one starts (`drop_all`).
 
         Called for each unit as it is gathered (``lag``: the readers' units, which may
         still be gathering) or, where TensorFlow gathers (`row_block`), as it is handed
