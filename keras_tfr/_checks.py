@@ -34,6 +34,26 @@ def non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
+SEED_BOUND = 1 << 63  # seeds fit TensorFlow's int64: -2**63 <= seed < 2**63
+
+
+def optional_seed(name: str, value: Any, non_negative: bool = False) -> int | None:
+    """``value`` as a seed (an int of 64 signed bits), or None; TypeError for a non-int,
+    ValueError out of range. Distinct seeds in range give distinct orders."""
+    if value is None:
+        return None
+    low = 0 if non_negative else -SEED_BOUND
+    kind = "a non-negative int" if non_negative else "an int"
+    if not _is_int(value):
+        raise TypeError(f"Expected `{name}` to be {kind} or None. Received: {value!r}")
+    if not low <= value < SEED_BOUND:
+        raise ValueError(
+            f"Expected `{name}` to be {kind} below 2**63 (a 64-bit seed"
+            f"{'' if non_negative else ', -2**63 at least'}). Received: {value!r}"
+        )
+    return int(value)
+
+
 def optional_positive_int(name: str, value: Any) -> int | None:
     return None if value is None else positive_int(name, value)
 

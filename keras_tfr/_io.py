@@ -58,6 +58,17 @@ def makedirs(path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
 
+def remove_empty_directory(path: str) -> None:
+    """Removes the local directory `path` if it is empty; leaves it (and says nothing)
+    if not. Object stores keep no empty directories: nothing to do for a URL."""
+    if is_remote(path):
+        return
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 def listdir(path: str) -> list[str]:
     if is_remote(path):
         return [n.rstrip("/") for n in _gfile().listdir(path)]

@@ -455,8 +455,12 @@ class Manifest:
             shuffle_seed=obj.get("shuffle_seed"),
         )
         seed = manifest.shuffle_seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise fail(f"`shuffle_seed` must be a non-negative integer, got {seed!r:.40}")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63
+        ):
+            raise fail(
+                f"`shuffle_seed` must be a non-negative integer below 2**63, got {seed!r:.40}"
+            )
         for total, value in (
             ("total_samples", manifest.total_samples),
             ("total_records", manifest.total_records),

@@ -80,7 +80,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
             What is shuffled depends on ``access``: single samples (sample mode) or
             records, then samples inside pools of records (block mode).
         seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
-            function of ``(seed, e)`` alone. Required with ``validation_split``, and the
+            function of ``(seed, e)`` alone. Any int from -2**63 to 2**63 - 1 (TensorFlow's
+            int64); each gives its own order. Required with ``validation_split``, and the
             same for both subsets.
         drop_remainder: drop the last, partial batch. The batch dimension of
             `element_spec` is ``batch_size`` where every batch is full: with

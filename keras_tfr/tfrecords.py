@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_tfr import _io
+from keras_tfr import _checks, _io
 from keras_tfr._seeds import only_op_seeds
 from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, Manifest, parse_size
 
@@ -462,6 +462,12 @@ def _roles(keys: Sequence[str], x: Any, y: Any, sample_weight: Any) -> dict[str,
     return roles
 
 
+def _next_seed(seed: int) -> int:
+    """The seed after `seed`, wrapping within int64 (the records' shuffle is seeded apart
+    from the files' shuffle, which takes `seed` itself)."""
+    return (seed + 1 + _checks.SEED_BOUND) % (2 * _checks.SEED_BOUND) - _checks.SEED_BOUND
+
+
 def from_tfrecords(
     paths_or_glob: Any,
     features: Mapping[str, Any] | None = None,
@@ -497,7 +503,8 @@ def from_tfrecords(
             each epoch. Default True, as for `TFRecordSequenceSource`; pass False to read
             the files in the given order.
         seed: makes the shuffle reproducible: the same `seed` gives the same order whether
-            or not `keras.utils.set_random_seed` was called.
+            or not `keras.utils.set_random_seed` was called. Any int from -2**63 to
+            2**63 - 1.
         shuffle_memory: the shuffle buffer's size in bytes (``"64MB"``).
         drop_remainder: drop the last, partial batch.
         compression: ``None``, ``"GZIP"`` or ``"ZLIB"``: the files' compression.
@@ -531,8 +538,7 @@ def from_tfrecords(
         raise ValueError(f"Expected `batch_size` to be a positive int. Received: {batch_size!r}")
     if not isinstance(shuffle, (bool, np.bool_)):
         raise TypeError(f"Expected `shuffle` to be a bool. Received: {shuffle!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-        raise TypeError(f"Expected `seed` to be an int or None. Received: {seed!r}")
+    seed = _checks.optional_seed("seed", seed)
     if isinstance(compression, str):
         compression = compression.upper() or None
     if compression not in (None, "GZIP", "ZLIB"):
@@ -576,7 +582,7 @@ def from_tfrecords(
         mean_record = max(1, sum(_stat(p)[0] for p, _ in kept) // max(1, total))
         buffer = max(1, min(total, shuffle_bytes // mean_record))
         with only_op_seeds():
-            records = records.shuffle(buffer, seed=None if seed is None else seed + 1)
+            records = records.shuffle(buffer, seed=None if seed is None else _next_seed(seed))
     finish = finish_features(decode, ragged)
 
     def parse(serialized: tf.Tensor) -> Any:

@@ -52,3 +52,26 @@ def test_an_invalid_manifest_is_bad_input(damaged, capsys, command):
         f.write("{not json")
     assert main([command, d]) == 2
     assert MANIFEST_NAME in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing shard", "cut short"])
+def test_bench_exits_1_on_damage_as_info_and_verify_do(damaged, capsys, damage):
+    d, m = damaged
+    assert main(["bench", d, "--batch-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 400 - 8  # all but the warm-up
+    path = m.shard_path(m.shards[2])
+    if damage == "flipped byte":
+        with open(path, "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 1]))
+    elif damage == "missing shard":
+        os.remove(path)
+    else:
+        os.truncate(path, 100)
+    assert main(["bench", d, "--batch-size", "8", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # no result for a run that did not read every sample
+    assert err.startswith("keras-tfr bench: damaged data set: ")
+    assert m.shards[2].file in err

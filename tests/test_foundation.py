@@ -146,6 +146,28 @@ def test_seeded_order_ignores_tensorflows_global_seed(tmp_path, reader):
     assert context.global_seed() == 123, "the user's global seed is left in place"
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_every_64_bit_seed_works_and_no_two_share_an_order(make_dataset, small_xy, access):
+    """Seeds are TensorFlow's int64: each in range gives its own order in both modes (no
+    seed taken modulo 2**64 stands for another); one out of range is refused up front."""
+    x, y = small_xy
+    d = make_dataset(x, y, samples_per_record=4)
+
+    def order(seed):
+        src = TFRecordSequenceSource(d, batch_size=16, shuffle=True, seed=seed, access=access)
+        return np.concatenate([b[1] for b in src.as_numpy_iterator()]).tolist()
+
+    seeds = [-(1 << 63), -1, 0, 1, (1 << 63) - 1]
+    orders = [order(s) for s in seeds]
+    for o in orders:
+        assert sorted(o) == sorted(y.tolist())
+    assert len({tuple(o) for o in orders}) == len(seeds)
+    assert order(-1) == orders[1]  # seeded: the same seed, the same order
+    for bad in (1 << 63, 1 << 64, -(1 << 63) - 1):
+        with pytest.raises(ValueError, match=r"`seed` to be an int below 2\*\*63"):
+            TFRecordSequenceSource(d, batch_size=16, seed=bad, access=access)
+
+
 @pytest.mark.parametrize("split_seed", [0, 1])
 def test_validation_split_disjoint_complete_deterministic(make_dataset, small_xy, split_seed):
     x, y = small_xy

@@ -120,6 +120,7 @@ def test_shard_paths_cannot_leave_the_directory(valid, name):
         (("shuffle_seed",), "3", "shuffle_seed"),
         (("shuffle_seed",), True, "shuffle_seed"),
         (("shuffle_seed",), 1.5, "shuffle_seed"),
+        (("shuffle_seed",), 1 << 63, "shuffle_seed"),
     ],
 )
 def test_each_bad_field_is_refused_and_named(valid, path, value, match):

@@ -30,6 +30,10 @@ LOCK_NAME = ".keras-tfr.lock"
 LAYOUT = dict(samples_per_record=4, shard_size=1000, verbose=0)
 
 
+def _listdir(d):
+    return os.listdir(d) if os.path.isdir(d) else []
+
+
 def _data(n=200, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, 16)).astype(np.float32)
@@ -234,6 +238,31 @@ def test_empty_iterable_or_no_write_leaves_no_dataset(tmp_path):
     assert not os.path.exists(os.path.join(d, LOCK_NAME))
 
 
+def test_failed_write_removes_the_directory_it_made_and_only_that(tmp_path):
+    made = str(tmp_path / "made" / "ds")
+    with pytest.raises(ValueError, match="No samples were written"):
+        ArraysToRecords.from_arrays(iter([]), directory=made, verbose=0)
+    assert not os.path.exists(made)  # created by the writer, left empty: removed
+    assert os.path.isdir(str(tmp_path / "made"))  # its parent is not the writer's
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(ValueError, match="No samples were written"):
+        ArraysToRecords.from_arrays(iter([]), directory=str(kept), verbose=0)
+    assert kept.is_dir() and not list(kept.iterdir())  # the user's directory stays
+    # A directory holding what resume needs is kept, even one the writer made.
+    x, y = _data()
+
+    def batches():
+        yield x[:100], y[:100]
+        raise OSError("source went away")
+
+    partial = str(tmp_path / "partial")
+    with pytest.raises(OSError, match="source went away"):
+        ArraysToRecords.from_arrays(batches(), directory=partial, **LAYOUT)
+    assert os.path.isdir(partial) and os.listdir(partial)
+    assert not os.path.exists(os.path.join(partial, MANIFEST_NAME))
+
+
 @pytest.mark.parametrize(
     "x, match",
     [
@@ -323,7 +352,9 @@ def test_exception_inside_with_leaves_no_manifest(tmp_path, exc, after):
             w.write(x[:after], y[:after])
         raise exc("stop")
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
-    assert not any(n.endswith(".tmp") for n in os.listdir(d)), "unfinished shard removed"
+    # No record completed: nothing is left, and the directory the writer made is gone.
+    assert os.path.isdir(d) == (after >= 12)
+    assert not any(n.endswith(".tmp") for n in _listdir(d)), "unfinished shard removed"
     assert not os.path.exists(os.path.join(d, LOCK_NAME)), "lock released"
     expected = IncompleteDatasetError if after >= 12 else ManifestError  # a shard completed
     with pytest.raises(expected):

@@ -142,6 +142,11 @@ def test_seed_alone_decides_the_order_whatever_set_random_seed_did(tmp_path):
         tf.random.set_seed(None)
     assert seeded == plain and other_global == plain
     assert two_epochs(6) != plain
+    top = two_epochs((1 << 63) - 1)  # the records' shuffle takes the seed after it
+    assert sorted(top[0]) == sorted(plain[0]) and top == two_epochs((1 << 63) - 1)
+    assert two_epochs(-(1 << 63))[0] != top[0]
+    with pytest.raises(ValueError, match=r"`seed` to be an int below 2\*\*63"):
+        from_tfrecords(pattern, FEATURES, 7, y="label", seed=1 << 63)
 
 
 def test_variable_length_feature_padded_or_ragged(tmp_path):

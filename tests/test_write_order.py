@@ -116,7 +116,14 @@ def test_memmap_and_h5py_inputs_in_the_seeded_order(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "seed, error", [(-1, ValueError), ("1", TypeError), (1.5, TypeError), (True, TypeError)]
+    "seed, error",
+    [
+        (-1, ValueError),
+        (1 << 63, ValueError),
+        ("1", TypeError),
+        (1.5, TypeError),
+        (True, TypeError),
+    ],
 )
 def test_a_bad_seed_is_refused_before_writing(tmp_path, seed, error):
     d = str(tmp_path / "ds")

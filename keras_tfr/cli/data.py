@@ -342,6 +342,18 @@ def _batch_len(batch: Any) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.epochs < 1:
         return _error("bench", "--batch-size and --epochs must be positive")
+    from keras_tfr.errors import CorruptRecordError, ShardError
+
+    try:
+        return _bench(args)
+    except (ShardError, CorruptRecordError) as e:
+        # The command ran and found damage, as `info` and `verify` report it: status 1.
+        message = str(e).removeprefix("keras-tfr: ")
+        print(f"keras-tfr bench: damaged data set: {message}", file=sys.stderr)
+        return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
     from keras_tfr.source import TFRecordSequenceSource
 
     src = TFRecordSequenceSource(

@@ -53,6 +53,16 @@ _CORRUPT_HINT = (
 )
 
 
+_SMALL_SEEDS = 2**31 - 1  # seeds in [0, 2**31 - 1): op seeds derived as they always were
+_HASHED = 2**62
+
+
+def _hash62(seed: int) -> int:
+    """A 62-bit hash of an int64 seed, for the op seeds of seeds outside [0, 2**31 - 1)."""
+    state = np.random.SeedSequence(seed & 0xFFFFFFFFFFFFFFFF).generate_state(1, np.uint64)
+    return int(state[0]) >> 2
+
+
 class GraphReader:
     """Builds the block-mode pipeline of one source (see the module docstring)."""
 
@@ -126,9 +136,16 @@ class GraphReader:
         def op_seed(k: int) -> Any:
             if seed is None:
                 return None
+            if 0 <= seed < _SMALL_SEEDS:  # the op seeds of earlier versions, kept
+                if epoch is None:
+                    return seed * 7919 + k
+                return (seed * 7919 + k + epoch * 104729) % _SMALL_SEEDS
+            # Any other int64 seed: hashed to 62 bits (no two seeds congruent modulo
+            # 2**31 - 1 share an order), the sum kept inside int64 for the epoch's tensor.
+            h = _hash62(seed)
             if epoch is None:
-                return seed * 7919 + k
-            return (seed * 7919 + k + epoch * 104729) % (2**31 - 1)
+                return _SMALL_SEEDS + (h + k) % _HASHED
+            return _SMALL_SEEDS + (h + k + epoch * 104729) % _HASHED
 
         files = [m.shard_path(s) for s in m.shards]
         first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)

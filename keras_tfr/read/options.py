@@ -66,7 +66,7 @@ class SourceOptions:
         put("directory", os.fspath(self.directory))
         put("batch_size", _checks.positive_int("batch_size", self.batch_size))
         put("shuffle", _checks.boolean("shuffle", self.shuffle))
-        put("seed", _checks.optional_int("seed", self.seed))
+        put("seed", _checks.optional_seed("seed", self.seed))
         put("drop_remainder", _checks.boolean("drop_remainder", self.drop_remainder))
         if self.validation_split is not None:
             put("validation_split", _checks.fraction("validation_split", self.validation_split))

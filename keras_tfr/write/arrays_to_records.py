@@ -161,11 +161,11 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
                 refuses a `min_shards` above 1 (use `ArraysToRecords` with
                 ``expected_samples=``).
             shuffle_seed: write the samples in the order of a permutation seeded by this
-                int (arrays only), so that every record holds samples from across the
-                input. Sample mode reads by sample and gains nothing from it; block mode
-                (remote storage, compressed shards, variable-length features), which
-                splits and shuffles whole records, then mixes class-sorted input as
-                sample mode does. The input is read at random, a
+                int (from 0 to 2**63 - 1; arrays only), so that every record holds samples
+                from across the input. Sample mode reads by sample and gains nothing
+                from it; block mode (remote storage, compressed shards, variable-length
+                features), which splits and shuffles whole records, then mixes
+                class-sorted input as sample mode does. The input is read at random, a
                 chunk at a time, each chunk in increasing index order (for a memmap or an
                 h5py data set on a spinning disk, slow). The manifest records the seed; a
                 resumed conversion must be given the same. ``None`` (default): the order

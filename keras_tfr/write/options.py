@@ -88,8 +88,7 @@ class WriteOptions:
         put("overwrite", _checks.boolean("overwrite", self.overwrite))
         put("resume", _checks.boolean("resume", self.resume))
         put("lattice", _checks.boolean("lattice", self.lattice))
-        if self.shuffle_seed is not None:
-            put("shuffle_seed", _checks.non_negative_int("shuffle_seed", self.shuffle_seed))
+        put("shuffle_seed", _checks.optional_seed("shuffle_seed", self.shuffle_seed, True))
         if self.overwrite and self.resume:
             raise ValueError(
                 "`overwrite=True` and `resume=True` contradict each other: pass one of them."

@@ -66,6 +66,7 @@ class RecordWriter:
         self._opened = False
         self._closed = False
         self._lock = _io.DirectoryLock(self.directory)
+        self._made_directory = False  # `_open` created it: `abort` removes it when empty
         self._old_files: list[str] | None = None
         self._layout: Layout | None = None
         self._encoder: BlockEncoder | None = None
@@ -146,13 +147,16 @@ class RecordWriter:
 
     def abort(self) -> None:
         """Stops without a manifest: removes the unfinished shard and keeps the completed
-        ones (and their journal) so that ``resume=True`` can continue."""
+        ones (and their journal) so that ``resume=True`` can continue. A directory this
+        writer created is removed when nothing is left in it."""
         if self._closed:
             return
         self._closed = True
         if self._files is not None:
             self._files.abort()
         self._lock.release()
+        if self._made_directory:
+            _io.remove_empty_directory(self.directory)
 
     # ------------------------------------------------------------------ internals
 
@@ -197,8 +201,13 @@ class RecordWriter:
             return
         if self._closed:
             raise RuntimeError(f"This writer for {self.directory} is already closed.")
+        self._made_directory = not _io.exists(self.directory)
         _io.makedirs(self.directory)
-        self._lock.acquire()
+        try:
+            self._lock.acquire()
+        except FileNotFoundError:  # an aborted writer removed the empty directory
+            _io.makedirs(self.directory)
+            self._lock.acquire()
         try:
             state = inspect_directory(self.directory, self.options)
         except BaseException:
