@@ -259,3 +259,40 @@ def test_a_first_fit_shows_only_what_the_user_can_act_on(make_dataset):
         assert noise not in err, err
     if _quiet._no_nvidia_device():
         assert "cuInit" not in err, err
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("lattice", [True, False])
+def test_a_damaged_record_in_fit_is_one_error_not_a_python_traceback(tmp_path, lattice):
+    # Sample mode finds damage in a Python call tf.data makes: raised there, TensorFlow
+    # logged it with its traceback, twice (about 90 lines), before `fit` raised it.
+    from keras_tfr import ArraysToRecords
+
+    x = np.random.default_rng(0).standard_normal((4000, 6)).astype(np.float32)
+    y = np.arange(4000) % 3
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(x, y, d, samples_per_record=100, lattice=lattice, verbose=0)
+    path = m.shard_path(m.shards[0])
+    with open(path, "r+b") as f:
+        f.seek(m.shards[0].bytes // 2)
+        byte = f.read(1)
+        f.seek(m.shards[0].bytes // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    code = textwrap.dedent(
+        f"""
+        import keras
+        from keras_tfr import CorruptRecordError, TFRecordSequenceSource
+        source = TFRecordSequenceSource({d!r}, batch_size=64, seed=0, access="samples")
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        try:
+            model.fit(source, epochs=1, verbose=0)
+        except CorruptRecordError as e:
+            print("caught:", e.file, e.offset, flush=True)
+        """
+    )
+    result = _run_python(code, TF_CPP_MIN_LOG_LEVEL="0")  # TensorFlow's default: warnings shown
+    assert result.returncode == 0, result.stderr
+    assert f"caught: {path} " in result.stdout, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("keras-tfr: corrupt record") <= 1, result.stderr

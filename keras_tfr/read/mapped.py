@@ -1259,6 +1259,38 @@ def _epoch_starter(
     return start
 
 
+_NO_DAMAGE = np.array(b"")
+
+
+@contextlib.contextmanager
+def _damage_as_output(dtype: Any, ndim: int, n_specs: int) -> Iterator[list[Any]]:
+    """Runs a unit's Python call for tf.data: the list it fills is its outputs, the
+    arrays then an empty message. Damage found (a `ValueError` whose text starts
+    ``keras-tfr: corrupt record``) is returned as the message instead, with empty arrays,
+    for `_raise_damage` to raise inside the graph: raised here, TensorFlow would log it
+    with its Python traceback (twice, about 90 lines) before `fit` raised it."""
+    out: list[Any] = []
+    try:
+        yield out
+    except ValueError as e:
+        if not str(e).startswith("keras-tfr: corrupt record"):
+            raise
+        out[:] = [np.zeros((0,) * ndim, dtype)] * n_specs + [np.array(str(e).encode())]
+
+
+def _raise_damage(outputs: list[Any]) -> list[Any]:
+    """The arrays of a `_damage_as_output` call, once its message is known to be empty:
+    otherwise the message is raised as TensorFlow's `InvalidArgumentError` ("assertion
+    failed: [keras-tfr: corrupt record ...]"), which `fit` and iteration turn into
+    `CorruptRecordError`, as block mode's checks do."""
+    import tensorflow as tf
+
+    *arrays, message = outputs
+    ok = tf.equal(tf.strings.length(message), 0)
+    with tf.control_dependencies([tf.debugging.Assert(ok, [message], summarize=1)]):
+        return [tf.identity(a) for a in arrays]
+
+
 def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     """A `tf.data.Dataset` of blocks of batches: a tuple of uint8
     ``[batches, rows, sample_bytes]`` tensors, one per spec (in ``plan.specs`` order).
@@ -1280,11 +1312,13 @@ def dataset(plan: MappedPlan, next_epoch: Callable[[], tuple[int, int]]) -> Any:
     start = _epoch_starter(plan, next_epoch)
 
     def block(info: np.ndarray, i: Any) -> list[np.ndarray]:
-        with _quiet_at_exit.call():
-            return plan.epoch(int(info[0]), int(info[1])).block(int(i))
+        with _quiet_at_exit.call(), _damage_as_output(np.uint8, 3, n_specs) as out:
+            out[:] = [*plan.epoch(int(info[0]), int(info[1])).block(int(i)), _NO_DAMAGE]
+        return out
 
     def one(info: Any, i: Any) -> tuple:
-        outs = tf.numpy_function(block, [info, i], [tf.uint8] * n_specs, stateful=True)
+        outs = tf.numpy_function(block, [info, i], [tf.uint8] * n_specs + [tf.string], True)
+        outs = _raise_damage(outs)
         return tuple(tf.ensure_shape(o, s) for o, s in zip(outs, shapes))
 
     def iterator(unused: Any) -> tf.data.Dataset:
@@ -1332,8 +1366,10 @@ def lattice_dataset(
     start = _epoch_starter(plan, next_epoch, unit_rows)
 
     def row_block(info: np.ndarray, i: Any) -> list[np.ndarray]:
-        with _quiet_at_exit.call():
-            return plan.epoch(int(info[0]), int(info[1]), unit_rows).row_block(int(i))
+        with _quiet_at_exit.call(), _damage_as_output(np.int64, 2, n_specs) as out:
+            epoch = plan.epoch(int(info[0]), int(info[1]), unit_rows)
+            out[:] = [*epoch.row_block(int(i)), _NO_DAMAGE]
+        return out
 
     def epoch(unused: Any) -> Any:
         info = tf.numpy_function(start, [unused], tf.int64, stateful=True)
@@ -1344,8 +1380,8 @@ def lattice_dataset(
         return tf.data.Dataset.zip((numbers, tf.data.Dataset.from_tensors(info).repeat()))
 
     def unit(i: Any, info: Any) -> tuple:
-        out = tf.numpy_function(row_block, [info, i], [tf.int64] * n_specs, stateful=True)
-        return tuple(tf.ensure_shape(o, [None, None]) for o in out)
+        out = tf.numpy_function(row_block, [info, i], [tf.int64] * n_specs + [tf.string], True)
+        return tuple(tf.ensure_shape(o, [None, None]) for o in _raise_damage(out))
 
     def gather(batch_rows: Any, views: Any) -> Any:
         out = []
