@@ -726,8 +726,29 @@ class TFRecordSequenceSource(tf.data.Dataset):
         # Prefetch starts with an iterator's first batch, so an iterator Keras makes and
         # drops unread (it makes the next one at each epoch's end) reads nothing.
         batches = batches.prefetch(self._prefetch_batches() if direct else tf.data.AUTOTUNE)
+        options = self._tf_options(direct)
+        self._uncounted: tf.data.Dataset | None = None
         if opts.service is None or opts.service_mode == "distributed_epoch":
+            self._uncounted = batches
             batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
+        return batches.with_options(options)
+
+    def _resumed(self, step: int) -> tf.data.Dataset:
+        """This source's pipeline for an iterator whose epoch starts at batch ``step``
+        (`set_epoch(epoch, step)`): the same batches, with the cardinality that epoch has
+        (``len(self) - step``). Keras' multi-step loop (`steps_per_execution` > 1 under
+        TensorFlow) reads one batch past an epoch's end inside its `tf.function`, where
+        a whole epoch's count would fail as "expected to contain N elements"."""
+        if self._uncounted is None or self._cfg.service is not None or not 0 < step < self._steps:
+            return self  # the service reads whole epochs: `set_epoch` says it has no effect
+        with only_op_seeds():
+            counted = self._uncounted.apply(
+                tf.data.experimental.assert_cardinality(self._steps - step)
+            )
+            return counted.with_options(self._tf_options(self._access == "samples"))
+
+    def _tf_options(self, direct: bool) -> tf.data.Options:
+        opts = self._cfg
         options = tf.data.Options()
         if direct:
             options.deterministic = True
@@ -745,7 +766,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             # This source already holds only its worker's share: no second sharding.
             off = tf.data.experimental.AutoShardPolicy.OFF
             options.experimental_distribute.auto_shard_policy = off
-        return batches.with_options(options)
+        return options
 
     # ----------------------------------------------------------- damage
 
@@ -847,6 +868,12 @@ class _EpochClock:
         with self._lock:
             self._epoch, self._step = epoch, step
 
+    @property
+    def next_step(self) -> int:
+        """The first batch the next iterator's epoch starts at."""
+        with self._lock:
+            return self._step
+
     def take(self) -> tuple[int, int]:
         with self._lock:
             out = (self._epoch, self._step)
@@ -903,8 +930,11 @@ class _Iterator(OwnedIterator):
                     if self._python is not None:
                         directory = self._source._cfg.directory
                         raise RuntimeError(_READ_IN_PYTHON.format(directory=directory))
+                    # An epoch started mid-way is read from a pipeline that counts its
+                    # own batches (see `_resumed`).
+                    dataset = self._source._resumed(self._clock.next_step)
                     with tf.init_scope():  # an eager resource, even when a tf.function asks
-                        self._create_iterator(self._source)
+                        self._create_iterator(dataset)
         return self._resource
 
     @_iterator_resource.setter

@@ -320,6 +320,47 @@ def test_steps_per_execution(tmp_path):
     assert resumed_history.history == history.history
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+@pytest.mark.parametrize("spe, stop", [(2, (1, 11)), (3, (1, 8)), (2, (0, 3))])
+def test_steps_per_execution_that_does_not_divide_the_epoch(tmp_path, access, spe, stop):
+    # 13 steps per epoch: the resumed epoch's last group reads one batch past its end
+    # inside TensorFlow's multi-step loop (a whole epoch's cardinality failed there).
+    from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((208, 4)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    data = str(tmp_path / "data")
+    ArraysToRecords.from_arrays(x, y, data, samples_per_record=8, verbose=0)
+
+    def fit(name, stop=None):
+        keras.utils.set_random_seed(0)
+        source = TFRecordSequenceSource(data, batch_size=16, seed=0, access=access)
+        assert len(source) == 13
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", steps_per_execution=spe, jit_compile=False)
+        steps = _Steps()
+        backup = BackupAndRestore(str(tmp_path / name), save_freq=spe)
+        callbacks = [steps, backup] + ([_Stop(*stop)] if stop else [])
+        if stop:
+            with pytest.raises(RuntimeError, match="interrupted"):
+                model.fit(source, epochs=2, verbose=0, callbacks=callbacks)
+            return None, steps.trained
+        history = model.fit(source, epochs=2, verbose=0, callbacks=callbacks)
+        return (model, history.history), steps.trained
+
+    (model, history), trained = fit("u")
+    # Keras numbers a group by its last step: 13 steps in groups of `spe`.
+    assert [b for e, b in trained if e == 1] == list(range(spe - 1, 13 + spe - 1, spe))
+    fit("k", stop=stop)
+    (resumed, resumed_history), resumed_trained = fit("k")
+    assert resumed_trained[0][0] == stop[0] and resumed_trained[0][1] > stop[1] - spe
+    assert resumed_trained[-1] == trained[-1]
+    for got, want in zip(_weights(resumed), _weights(model)):
+        np.testing.assert_array_equal(got, want)
+    assert resumed_history == history
+
+
 def test_only_backup_damaged_raises_naming_the_file(tmp_path):
     d = tmp_path / "backup"
     _fit(BackupAndRestore(str(d), save_freq=3), stop=(0, 4))
