@@ -59,9 +59,10 @@ _PREFETCH_BYTES = 2 << 20
 _PREFETCH_BATCHES = (2, 32)
 _READERS = ("auto", "mapped", "direct", "graph")  # "direct": the old name of "mapped"
 # keras-tfr's damage message inside a TensorFlow error: bare (raised in Python, e.g. by a
-# py_function), or, from a `tf.debugging.Assert` of block mode, in the brackets TensorFlow
-# wraps around each value it prints ("assertion failed: [keras-tfr: ...]"): the brackets
-# are TensorFlow's, not part of the message.
+# py_function), or, from a `tf.debugging.Assert` (block mode's checks, sample mode's
+# units), in the brackets TensorFlow wraps around each value it prints ("assertion
+# failed: [keras-tfr: ...]"), C-escaped: the brackets and escapes are TensorFlow's, not
+# part of the message.
 _CORRUPT = re.compile(r"\[(keras-tfr: corrupt record[^\n]*)\]|(keras-tfr: corrupt record[^\n]*)")
 _CORRUPT_AT = re.compile(r"in (.+?) at byte offset (\d+)")
 
@@ -649,6 +650,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             verify=opts.verify,
             skip=skip if opts.on_corrupt == "skip" else None,
             lattice=m.lattice,
+            checksums=[s.checksum for s in m.shards],
         )
         self._mapped_plan = plan
         structure = self._structure_fn() if not self._decode else (lambda d: d)
@@ -1001,6 +1003,18 @@ class _Iterator(OwnedIterator):
             del error, converted
 
 
+def _c_unescaped(text: str) -> str:
+    """A string value as `tf.debugging.Assert` prints it, C-escaped (``\\'`` for a
+    quote, octal bytes of UTF-8 for a path's non-ASCII letters), as it was."""
+    import codecs
+
+    try:
+        raw = codecs.escape_decode(text.encode("utf-8", "backslashreplace"))[0]
+        return bytes(raw).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return text
+
+
 def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:
     """The `CorruptRecordError` a TensorFlow error stands for, or None if it is another."""
     if isinstance(error, CorruptRecordError):
@@ -1008,7 +1022,7 @@ def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:
     found = _CORRUPT.search(str(error))
     if found is None:
         return None
-    message = found.group(1) or found.group(2)
+    message = found.group(2) if found.group(1) is None else _c_unescaped(found.group(1))
     where = _CORRUPT_AT.search(message)
     file = where.group(1) if where else None
     offset = int(where.group(2)) if where else None

@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -344,6 +345,35 @@ def test_shard_changed_between_epochs_is_checked_again(data, how):
     with pytest.raises(CorruptRecordError) as e:
         _epoch(src)
     assert e.value.file == path and e.value.offset == 2 * frame
+
+
+@pytest.mark.parametrize("verify", ["first_read", "every_epoch"])
+def test_shard_replaced_by_a_copy_of_another_is_refused(data, caplog, verify):
+    """Every record of the copy passes its CRC and layout checks; the shard's checksum
+    (its records' CRCs, against the manifest's) does not."""
+    d, x, _ = data
+    m = Manifest.load(d)
+    assert m.shards[0].bytes == m.shards[1].bytes
+    path = m.shard_path(m.shards[1])
+    src = TFRecordSequenceSource(d, batch_size=10, seed=0, verify=verify)
+    skip = TFRecordSequenceSource(d, batch_size=10, seed=0, verify=verify, on_corrupt="skip")
+    _epoch(src), _epoch(skip)
+    shutil.copyfile(m.shard_path(m.shards[0]), path + ".new")
+    os.replace(path + ".new", path)  # as writers replace a file: a new inode
+    with pytest.raises(CorruptRecordError, match="no longer holds the records") as e:
+        _epoch(src)
+    assert e.value.file == path and e.value.offset == 0
+    assert m.shards[1].checksum in e.value.message
+    with caplog.at_level(logging.WARNING, logger="keras_tfr"):
+        batches = [(bx.numpy(), by.numpy()) for bx, by in skip]
+    ys = np.concatenate([by for _, by in batches])
+    # Skip mode: the shard's records are dropped, the sample count kept.
+    assert len(ys) == 1000 and skip.corrupt_records == m.shards[1].records
+    first = m.shards[0].samples
+    replaced = set(range(first, first + m.shards[1].samples))
+    assert not replaced & set(ys.tolist()), "no sample of the replaced shard is handed out"
+    for bx, by in batches:  # every sample handed out is the written one
+        np.testing.assert_array_equal(bx, x[by])
 
 
 def test_shard_truncated_between_epochs_is_named_not_a_crash(data):

@@ -488,6 +488,22 @@ def test_corrupt_record_error_from_fit_evaluate_predict_and_iteration(dataset, r
     )
 
 
+@pytest.mark.parametrize("call", ["iterate", "fit"])
+def test_corrupt_record_error_names_a_path_with_quotes_and_accents(tmp_path, reader, call):
+    """The file in the error is the path itself, though TensorFlow C-escapes what its
+    `Assert` prints (a quote as \\', an accent as octal bytes of UTF-8)."""
+    x = np.arange(N * 6, dtype=np.float32).reshape(N, 6)
+    d = str(tmp_path / "l'été données")
+    m = ArraysToRecords.from_arrays(x, x[:, :1], d, samples_per_record=SPR, verbose=0)
+    path = m.shard_path(m.shards[0])
+    _flip(path, 3 * _frame(m) + 30)
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False)
+    with pytest.raises(CorruptRecordError) as e:
+        _CALLS[call](src)
+    assert e.value.file == path and e.value.offset == 3 * _frame(m)
+    assert e.value.message.startswith(f"keras-tfr: corrupt record in {path} at byte offset")
+
+
 @pytest.mark.parametrize("reader", ["graph"], indirect=True)  # GZIP: block mode only
 @pytest.mark.parametrize("call", ["iterate", "fit"])
 def test_corrupt_gzip_shard_message_is_keras_tfr_text_alone(tmp_path, reader, call):

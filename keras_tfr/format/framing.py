@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from keras_tfr import _crc
 
 HEADER_BYTES = 12  # length + masked CRC of the length
@@ -24,6 +26,15 @@ OVERHEAD = HEADER_BYTES + FOOTER_BYTES
 
 masked = _crc.masked
 masked_bytes = _crc.masked_bytes
+
+
+MASK_DELTA = 0xA282EAD8
+
+
+def unmasked(values: np.ndarray) -> np.ndarray:
+    """The CRC-32Cs behind masked CRCs, for an array of them (any unsigned dtype)."""
+    rot = (values.astype(np.uint64) - MASK_DELTA) & 0xFFFFFFFF
+    return (((rot >> 17) | (rot << 15)) & 0xFFFFFFFF).astype(np.uint32)
 
 
 def frame_size(length: int) -> int:

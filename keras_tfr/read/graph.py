@@ -527,8 +527,14 @@ def _records_or_empty(path: Any, compression: str) -> tf.data.Dataset:
     reader moves on after a bad record, not after a failed open), so a shard deleted after
     the source was built would hang the pipeline. Reading nothing instead lets the
     shard-end check name it, at byte offset 0. One glob per shard and epoch, with the
-    path's wildcard characters escaped.
+    path's wildcard characters escaped, run when the shard's first record is asked for,
+    just before the file is opened: not when the interleave prepares the shard, which can
+    be many batches earlier (a shard deleted in between hung the pipeline).
     """
-    pattern = tf.strings.regex_replace(path, r"([*?\[\]\\])", r"\\\1")
-    found = tf.io.matching_files(pattern)[:1]
-    return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)
+
+    def open_if_there(p: Any) -> tf.data.Dataset:
+        pattern = tf.strings.regex_replace(p, r"([*?\[\]\\])", r"\\\1")
+        found = tf.io.matching_files(pattern)[:1]
+        return tf.data.TFRecordDataset(found, compression, buffer_size=_READ_BUFFER)
+
+    return tf.data.Dataset.from_tensors(path).flat_map(open_if_there)

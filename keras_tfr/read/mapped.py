@@ -340,9 +340,16 @@ class MappedPlan:
         verify: str,
         skip: Callable[[str, int, int, int, str], None] | None,
         lattice: Lattice | None = None,
+        checksums: list[str] | None = None,
     ):
         self.specs = specs
         self.files = files
+        # The manifest's `crc32c:xxxxxxxx` per shard: a shard changed on disk must still
+        # hold the records the manifest lists (`_forget_remapped`).
+        self.checksums = list(checksums) if checksums is not None else None
+        # Per shard: why its records are all refused (another shard's copy put in its
+        # place), or None.
+        self._shard_problems: list[str | None] = [None] * len(files)
         self.shard_records = [int(r) for r in shard_records]
         self.shard_bytes = [int(b) for b in shard_bytes]
         self.spr = int(samples_per_record)
@@ -470,6 +477,39 @@ class MappedPlan:
                 if signature != self._checked_files[k]:
                     self.state[self.shard_of == k] = 0
                     self._checked_files[k] = signature
+                    self._shard_problems[k] = self._other_records(k)
+
+    def _other_records(self, k: int) -> str | None:
+        """Why shard ``k``, mapped again, does not hold the records its manifest lists
+        (sound records of another shard, or moved), or None. Its records' own CRCs, read
+        from their frames (4 bytes per record), against the manifest's checksum: a shard
+        replaced by a copy of another passes every record's check but not this one."""
+        region = self.region()
+        if self.checksums is None or region.signatures[k] is None:
+            return None  # nothing to compare, or a file the record checks name
+        n = self.shard_records[k]
+        records = np.flatnonzero(self.shard_of == k)
+        if not n or len(records) != n:
+            return None
+        h = framing.HEADER_BYTES
+        at = self.index_in_shard[records] * self.full.frame + h + self.full.length
+        ends = self.index_in_shard[records] * self.full.frame + self.full.frame
+        if self.short is not None and records[-1] == self.total_records - 1:
+            at[-1] += self.short.length - self.full.length
+            ends[-1] += self.short.frame - self.full.frame
+        if int(ends[-1]) > int(region.sizes[k]):
+            return None  # cut short: the record checks name where
+        base = int(region.starts[k])
+        picks = (base + at)[:, None] + np.arange(4)
+        crcs = framing.unmasked(region.array[picks].copy().view("<u4").ravel())
+        checksum = f"crc32c:{_crc.crc32c([crcs.astype('<u4').tobytes()]):08x}"
+        if checksum == self.checksums[k]:
+            return None
+        return (
+            f"the shard changed on disk and no longer holds the records its manifest "
+            f"lists (checksum {checksum}, the manifest's {self.checksums[k]}): another "
+            "file was put in its place"
+        )
 
     def epoch(self, number: int, start_batch: int, unit_rows: int | None = None) -> Epoch:
         """The `Epoch` that tf.data's units of epoch ``number`` come from.
@@ -552,6 +592,8 @@ class MappedPlan:
         start = int(self.index_in_shard[record]) * self.full.frame
         if region.signatures[k] is None:
             return region.problems[k] or "the file cannot be opened (missing or unreadable)"
+        if self._shard_problems[k] is not None:
+            return self._shard_problems[k]
         if start + layout.frame > int(region.sizes[k]):
             return _TRUNCATED
         at = int(region.starts[k]) + start
