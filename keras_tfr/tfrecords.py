@@ -150,7 +150,8 @@ def expand_paths(paths_or_glob: Any, *, argument: str = "paths_or_glob") -> list
         )
     files: list[str] = []
     for p in patterns:
-        if any(c in p for c in "*?["):
+        # A file that exists is itself, though its name holds `[` or `*`.
+        if any(c in p for c in "*?[") and not (_io.exists(p) and not _io.isdir(p)):
             if _io.is_remote(p):
                 import tensorflow as tf
 
@@ -257,8 +258,14 @@ def count_records(
 
 
 def _said(error: Any) -> str:
-    """A TensorFlow error's message without the function and op names around it."""
+    """A TensorFlow error's message without the function, op and node names around it."""
     text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", str(error.message))
+    text = re.sub(
+        r"^Error in user-defined function passed to \S+ transformation with iterator: \S+\s*",
+        "",
+        text,
+    )
+    text = re.sub(r"\s*\[\[\{\{node [^\n]*\]\]", "", text)
     return re.sub(r"\s*\[Op:[^\]]*\].*$", "", text, flags=re.S).strip()
 
 
@@ -268,7 +275,7 @@ def _said(error: Any) -> str:
 def infer_features(
     paths: Sequence[str], *, compression: str | None = None, max_records: int = _INFER_RECORDS
 ) -> dict[str, Any]:
-    """Guesses a parsing spec from the first records of the first file.
+    """Guesses a parsing spec from the first records of the first file that holds any.
 
     A bytes feature that parses as a serialized tensor becomes a `TensorFeature`; lists
     of one length in every record seen become ``FixedLenFeature``, others
@@ -280,31 +287,33 @@ def infer_features(
 
     seen: dict[str, list[tuple[str, int, Any]]] = {}
     n_records = 0
-    ds = iter(tf.data.TFRecordDataset(paths[0], compression or "").take(max_records))
-    while True:
-        try:
-            raw = next(ds)
-        except StopIteration:
+    for path in paths:  # the first file that holds records (sharded writers leave empty ones)
+        ds = iter(tf.data.TFRecordDataset(path, compression or "").take(max_records))
+        while True:
+            try:
+                raw = next(ds)
+            except StopIteration:
+                break
+            except tf.errors.OpError as e:  # not TFRecords, or another compression
+                raise OSError(f"Could not read the TFRecord file {path}: {_said(e)}") from e
+            try:
+                example = tf.train.Example.FromString(raw.numpy())
+            except Exception as e:  # protobuf's DecodeError: not an Example
+                raise ValueError(
+                    f"Cannot infer `features`: record {n_records} of {path} is not a "
+                    "`tf.train.Example`; pass `features=` for what it holds."
+                ) from e
+            n_records += 1
+            _seen_features(example, seen, tensor_pb2)
+        if n_records:
             break
-        except tf.errors.OpError as e:  # not TFRecords, or another compression
-            raise OSError(f"Could not read the TFRecord file {paths[0]}: {_said(e)}") from e
-        try:
-            example = tf.train.Example.FromString(raw.numpy())
-        except Exception as e:  # protobuf's DecodeError: not an Example
-            raise ValueError(
-                f"Cannot infer `features`: record {n_records} of {paths[0]} is not a "
-                "`tf.train.Example`; pass `features=` for what it holds."
-            ) from e
-        n_records += 1
-        for key, feature in example.features.feature.items():
-            kind = feature.WhichOneof("kind")
-            values = getattr(feature, kind).value if kind else []
-            tensor = None
-            if kind == "bytes_list" and len(values) == 1:
-                tensor = _as_serialized_tensor(values[0], tensor_pb2)
-            seen.setdefault(key, []).append((kind, len(values), tensor))
     if not n_records:
-        raise ValueError(f"Cannot infer `features`: {paths[0]} holds no record.")
+        which = (
+            f"{paths[0]} holds no record"
+            if len(paths) == 1
+            else f"none of the {len(paths)} files holds a record"
+        )
+        raise ValueError(f"Cannot infer `features`: {which}.")
     features: dict[str, Any] = {}
     for key, entries in sorted(seen.items()):
         kinds = {k for k, _, _ in entries if k}
@@ -331,6 +340,17 @@ def infer_features(
         else:
             features[key] = tf.io.VarLenFeature(dtype)
     return features
+
+
+def _seen_features(example: Any, seen: dict[str, list[tuple[str, int, Any]]], pb2: Any) -> None:
+    """Adds what one `tf.train.Example` holds to ``seen``: per key, (kind, length, tensor)."""
+    for key, feature in example.features.feature.items():
+        kind = feature.WhichOneof("kind")
+        values = getattr(feature, kind).value if kind else []
+        tensor = None
+        if kind == "bytes_list" and len(values) == 1:
+            tensor = _as_serialized_tensor(values[0], pb2)
+        seen.setdefault(key, []).append((kind, len(values), tensor))
 
 
 def _as_serialized_tensor(value: bytes, tensor_pb2: Any) -> tuple[str, tuple[int, ...]] | None:
@@ -371,9 +391,14 @@ def _parse_plan(features: Mapping[str, Any]) -> tuple[dict, dict]:
     tensors: dict[str, TensorFeature] = {}
     for key, f in features.items():
         if isinstance(f, TensorFeature):
-            tensors[key] = TensorFeature(
-                tf.as_dtype(f.dtype), None if f.shape is None else tuple(f.shape)
-            )
+            dtype = tf.as_dtype(f.dtype)
+            if dtype == tf.string and f.shape is not None:
+                raise ValueError(
+                    f"Feature {key!r}: a serialized tensor of strings is read with "
+                    f"`TensorFeature(tf.string)` (shape=None): its bytes have no fixed size "
+                    f"to decode by. Received: shape={tuple(f.shape)}"
+                )
+            tensors[key] = TensorFeature(dtype, None if f.shape is None else tuple(f.shape))
             spec[key] = tf.io.FixedLenFeature([], tf.string)
         elif isinstance(f, tf.io.VarLenFeature):
             spec[key] = tf.io.RaggedFeature(f.dtype, row_splits_dtype=tf.int64)
@@ -448,7 +473,9 @@ def _roles(keys: Sequence[str], x: Any, y: Any, sample_weight: Any) -> dict[str,
     used = x_keys + y_keys + sw_keys
     for k in used:
         if k not in keys:
-            raise ValueError(f"Feature {k!r} is not in `features` ({sorted(keys)}).")
+            raise ValueError(
+                f"Feature {k!r} is not in `features` ({sorted(keys)}): add it to `features`."
+            )
     if len(set(used)) != len(used) or not x_keys:
         raise ValueError(
             "Expected `x`, `y` and `sample_weight` to name distinct features, `x` at least "
@@ -748,7 +775,7 @@ def _checked(ds: Any, tf: Any) -> Iterator[Any]:
             return
         except tf.errors.OpError as e:
             raise ValueError(
-                f"Could not parse the source records with the given `features` ({e.message}). "
+                f"Could not parse the source records with the given `features` ({_said(e)}). "
                 "Pass `features=` (or --feature) matching how the files were written."
             ) from e
         yield batch

@@ -484,3 +484,31 @@ def test_serve_gives_up_on_a_dispatcher_that_does_not_answer():
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"the dispatcher at 127.0.0.1:{port} did not answer; no worker" in proc.stderr
     assert "worker:" not in proc.stdout
+
+
+def test_convert_tfrecords_errors_name_the_command_line(tmp_path, capsys):
+    import tensorflow as tf
+
+    path = str(tmp_path / "in.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for i in range(5):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=[i, i])),
+                "label": tf.train.Feature(float_list=tf.train.FloatList(value=[i])),
+            }
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    d = str(tmp_path / "ds")
+    cases = [
+        ([str(tmp_path / "nope.tfrecord"), d], "SRC '"),
+        ([path, d, "--feature", "x=float32:2", "--y", "label"], "'label' has no --feature"),
+        ([path, d, "--feature", "x=int64:2"], "with the given --feature (Name: <unknown>"),
+    ]
+    for args, said in cases:
+        assert main(["convert-tfrecords", *args, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert said in err, err
+        for python in ("paths_or_glob", "`features`", "features=", "{{", "[[", "Op:"):
+            assert python not in err, (python, err)
+    assert not os.path.exists(d)

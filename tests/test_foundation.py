@@ -297,6 +297,31 @@ def test_a_list_of_batch_tuples_is_written_as_batches(tmp_path):
     assert _same_bits(np.asarray(first[1]), x[:, :2]) and _same_bits(np.asarray(labels), y)
 
 
+def test_tensors_tf_data_batches_and_empty_batches_are_written(tmp_path):
+    """TensorFlow, Keras and torch tensors are arrays (their dtypes are not NumPy's); a
+    tf.data.Dataset of batches is an iterable of batches; an empty batch holds nothing."""
+    import keras
+    import torch
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((37, 3, 2)).astype(np.float32)
+    y = rng.integers(0, 9, 37).astype(np.int64)
+    batches = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 37, 10)]
+    cases = {
+        "tf": (tf.constant(x), tf.constant(y)),
+        "keras": (keras.ops.convert_to_tensor(x), y),
+        "torch": (torch.from_numpy(x).requires_grad_(True), torch.from_numpy(y)),
+        "tf.data": (tf.data.Dataset.from_tensor_slices((x, y)).batch(8), None),
+        "empty batch": ([*batches[:2], (x[:0], y[:0]), *batches[2:]], None),
+    }
+    for name, (a, b) in cases.items():
+        d = str(tmp_path / name.replace(" ", "_"))
+        m = ArraysToRecords.from_arrays(a, b, d, verbose=0)
+        assert m.total_samples == 37, name
+        got = list(TFRecordSequenceSource(d, 64, shuffle=False))
+        assert _same_bits(got[0][0].numpy(), x) and _same_bits(got[0][1].numpy(), y), name
+
+
 def test_format_is_standard_tfrecord_of_examples(make_dataset):
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     y = np.arange(6, dtype=np.int64)

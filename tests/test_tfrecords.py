@@ -362,3 +362,27 @@ def test_wrong_tensor_feature_dtype_names_the_feature(tmp_path, dtype):
         tf.errors.InvalidArgumentError, match=rf"feature `image`.* not {dtype.name} of shape"
     ):
         next(iter(ds))
+
+
+def test_inference_skips_empty_files_and_a_bracket_path_is_a_file(tmp_path):
+    # Sharded writers leave empty shards; a directory name may hold `[`.
+    d = tmp_path / "run[1]"
+    images, labels, _ = _write_tutorial(d, files=3)
+    empty = d / "train-0.tfrecord"
+    empty.write_bytes(b"")  # the first file now holds no record
+    first = len(images) // 3
+    features = infer_features([str(empty), str(d / "train-1.tfrecord")])
+    assert set(features) == {"image", "label", "tokens"}
+    literal = str(d / "train-1.tfrecord")  # exists: not a glob, though it holds `[`
+    ds = from_tfrecords(literal, FEATURES, 64, y="label", shuffle=False)
+    x, y = next(iter(ds))
+    assert np.array_equal(x.numpy(), images[first : 2 * first])
+    assert np.array_equal(y.numpy(), labels[first : 2 * first])
+    with pytest.raises(ValueError, match="none of the 2 files holds a record"):
+        infer_features([str(empty), str(empty)])
+
+
+def test_a_string_tensor_feature_with_a_shape_is_refused_by_name(tmp_path):
+    _write_tutorial(tmp_path)
+    with pytest.raises(ValueError, match=r"Feature 'image': .*TensorFeature\(tf.string\)"):
+        from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.string, (2,))}, 8)

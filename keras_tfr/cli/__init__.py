@@ -157,6 +157,11 @@ _FLAGS = {
     "`compression`": "`--compression`",
     "Expected `y` with `sample_weight`": "Expected `--y` with `--sample-weight`",
     "Received: y=None and sample_weight": "Received: no --y and --sample-weight",
+    "`paths_or_glob`: ": "SRC ",
+    "is not in `features`": "has no --feature",
+    "add it to `features`.": "add a --feature for it (given --feature, no feature is inferred).",
+    "Pass `features=` (or --feature)": "Pass --feature",
+    "with the given `features`": "with the given --feature",
 }
 
 

@@ -59,6 +59,16 @@ def _flatten(
 def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
     if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
         return Variable.from_values(v, argument)
+    if (
+        is_array_like(v)
+        and not isinstance(v.dtype, np.dtype)
+        and callable(getattr(v, "numpy", None))
+    ):
+        # A tensor (TensorFlow's, Keras', torch's): in memory already; its dtype is not
+        # NumPy's, so the writer takes its NumPy view (host memory for a GPU tensor).
+        if callable(getattr(v, "detach", None)) and callable(getattr(v, "cpu", None)):
+            v = v.detach().cpu()  # torch: a tensor with a gradient, or on a GPU
+        return np.asarray(v.numpy())
     if is_array_like(v):
         return v
     if isinstance(v, Mapping):

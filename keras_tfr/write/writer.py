@@ -441,6 +441,8 @@ def _write_iterable(
         for item in batches:
             parts = inputs.split_batch(item)
             n = inputs.batch_len(parts)
+            if n == 0:
+                continue  # an empty batch (a chunked reader's empty tail) holds nothing
             if skip:
                 if n <= skip:
                     skip -= n
