@@ -353,6 +353,11 @@ def _seen_features(example: Any, seen: dict[str, list[tuple[str, int, Any]]], pb
         seen.setdefault(key, []).append((kind, len(values), tensor))
 
 
+def _has_values(proto: Any) -> bool:
+    """Whether a TensorProto holds values in its typed fields (not `tensor_content`)."""
+    return any(field.name.endswith("_val") and value for field, value in proto.ListFields())
+
+
 def _as_serialized_tensor(value: bytes, tensor_pb2: Any) -> tuple[str, tuple[int, ...]] | None:
     try:
         proto = tensor_pb2.TensorProto.FromString(value)
@@ -368,7 +373,7 @@ def _as_serialized_tensor(value: bytes, tensor_pb2: Any) -> tuple[str, tuple[int
         return None
     shape = tuple(int(d.size) for d in proto.tensor_shape.dim)
     nbytes = math.prod(shape) * dtype.size
-    content_ok = bool(proto.tensor_content) and len(proto.tensor_content) == nbytes
+    content_ok = len(proto.tensor_content) == nbytes and (nbytes > 0 or not _has_values(proto))
     if content_ok and proto.SerializeToString() == value:
         return dtype.name, shape
     return None
@@ -439,9 +444,12 @@ def _decode_tensor(strings: Any, key: str, feature: TensorFeature) -> Any:
             "shape=None"
         ],
     )
+    if nbytes == 0:  # a tensor with no element: its header was checked, no bytes to read
+        with tf.control_dependencies([check]):
+            return tf.zeros(tf.concat([tf.shape(strings, tf.int64), shape], 0), dtype)
     with tf.control_dependencies([check]):
         payload = tf.strings.substr(strings, len(header), nbytes)
-    u8 = tf.io.decode_raw(payload, tf.uint8, fixed_length=max(nbytes, 1))
+    u8 = tf.io.decode_raw(payload, tf.uint8, fixed_length=nbytes)
     if dtype.size == 1:
         x = tf.reshape(u8, [-1, *shape])
         return tf.cast(x, tf.bool) if dtype == tf.bool else tf.bitcast(x, dtype)

@@ -386,3 +386,20 @@ def test_a_string_tensor_feature_with_a_shape_is_refused_by_name(tmp_path):
     _write_tutorial(tmp_path)
     with pytest.raises(ValueError, match=r"Feature 'image': .*TensorFeature\(tf.string\)"):
         from_tfrecords(str(tmp_path / "*.tfrecord"), {"image": TensorFeature(tf.string, (2,))}, 8)
+
+
+def test_a_serialized_tensor_with_no_element(tmp_path):
+    path = str(tmp_path / "z.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for _ in range(5):
+            value = tf.io.serialize_tensor(tf.zeros((0, 3), tf.float32)).numpy()
+            feature = {"z": tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))}
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    assert infer_features([path]) == {"z": TensorFeature("float32", (0, 3))}
+    for shape in [(0, 3), None]:
+        got = next(iter(from_tfrecords(path, {"z": TensorFeature(tf.float32, shape)}, 8)))
+        assert got.shape == (5, 0, 3) and got.dtype == tf.float32
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not float32 of shape"):
+        next(iter(from_tfrecords(path, {"z": TensorFeature(tf.float32, (0, 4))}, 8)))
