@@ -374,6 +374,13 @@ def test_shard_replaced_by_a_copy_of_another_is_refused(data, caplog, verify):
     assert not replaced & set(ys.tolist()), "no sample of the replaced shard is handed out"
     for bx, by in batches:  # every sample handed out is the written one
         np.testing.assert_array_equal(bx, x[by])
+    # Block mode reads the copy (its records pass their CRCs), as docs/reliability.md
+    # says; `verify` names the shard.
+    blocks = _epoch(TFRecordSequenceSource(d, batch_size=10, seed=0, access="blocks"))
+    assert len(blocks) == 1000 and not replaced & set(blocks.tolist())
+    from keras_tfr.verifier import verify
+
+    assert m.shards[1].file in verify(d).summary()
 
 
 def test_shard_truncated_between_epochs_is_named_not_a_crash(data):
