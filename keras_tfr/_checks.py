@@ -58,14 +58,6 @@ def optional_positive_int(name: str, value: Any) -> int | None:
     return None if value is None else positive_int(name, value)
 
 
-def optional_int(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"Expected `{name}` to be an int or None. Received: {value!r}")
-    return int(value)
-
-
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"Expected `{name}` to be a bool. Received: {value!r}")

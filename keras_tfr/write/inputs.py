@@ -59,11 +59,7 @@ def _flatten(
 def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
     if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
         return Variable.from_values(v, argument)
-    if (
-        is_array_like(v)
-        and not isinstance(v.dtype, np.dtype)
-        and callable(getattr(v, "numpy", None))
-    ):
+    if callable(getattr(v, "numpy", None)) and not isinstance(getattr(v, "dtype", None), np.dtype):
         # A tensor (TensorFlow's, Keras', torch's): in memory already; its dtype is not
         # NumPy's, so the writer takes its NumPy view (host memory for a GPU tensor).
         if callable(getattr(v, "detach", None)) and callable(getattr(v, "cpu", None)):
@@ -81,8 +77,6 @@ def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
             f"Expected `{argument}` to be an array whose first axis indexes samples. "
             f"Received: the scalar {v!r}"
         )
-    if hasattr(v, "numpy") and callable(v.numpy):  # tf / torch / jax tensors
-        return np.asarray(v.numpy())
     try:
         return np.asarray(v)
     except Exception as e:
