@@ -621,9 +621,17 @@ class TFRecordSequenceSource(tf.data.Dataset):
             service=(opts.service, opts.service_mode, opts.service_job_name)
             if opts.service
             else None,
-            fill_steps=self._steps - self._pad_batches if opts.on_corrupt == "skip" else None,
+            fill_rows=self._fill_rows() if opts.on_corrupt == "skip" else None,
         )
         return self._finish(reader.dataset(self._clock.take), direct=False)
+
+    def _fill_rows(self) -> int:
+        """Block mode: the samples of one epoch's batches (``len(self)`` of them, the
+        workers' empty batches left out)."""
+        data_batches = self._steps - self._pad_batches
+        if self._cfg.drop_remainder:
+            return data_batches * self.batch_size
+        return min(self._num_samples, data_batches * self.batch_size)
 
     def _build_mapped(self) -> tf.data.Dataset:
         from keras_tfr.read import mapped

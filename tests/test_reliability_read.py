@@ -279,8 +279,9 @@ def test_skip_drops_logs_counts_and_keeps_the_step_count(dataset, caplog, reader
         for _epoch in range(3):
             batches = _drain(src)
             assert len(batches) == steps == N // 8, "the epoch is filled to the announced length"
-            # The fill starts a new pass, so one batch in the middle may be partial.
-            assert N - 8 <= _check_samples(batches, x) <= N
+            # Filled sample by sample: every batch full, as in an epoch without damage.
+            assert [len(b[1]) for b in batches] == [8] * steps
+            assert _check_samples(batches, x) == N
             assert src.corrupt_records == lost_records, "counted once, not per pass"
             seen = np.concatenate([b[1] for b in batches])
             first_lost = (RECORDS_PER_SHARD + 10) * SPR
@@ -351,8 +352,8 @@ def _skip_with_split(dataset, reader):
         n = _check_samples(batches, x)
         ids = set(np.concatenate([b[1] for b in batches]).tolist())
         assert not ids & damaged
+        assert n == src.num_samples  # filled to the subset's size, in both modes
         if reader == "mapped":
-            assert n == src.num_samples  # holes filled one for one
             members = set(src.sample_order(0).tolist())
             assert ids <= members, "a fill came from outside the subset"
         seen[subset] = ids
@@ -390,6 +391,65 @@ def test_skip_fills_come_from_the_same_worker_share(dataset, reader, split):
         shares.append(share)
     assert any(share & damaged for share in shares), "the damage hit some worker's share"
     assert not (shares[0] & shares[1] or shares[0] & shares[2] or shares[1] & shares[2])
+
+
+@pytest.mark.parametrize("reader", ["graph"], indirect=True)
+def test_block_mode_fills_a_worker_share_to_its_size_with_a_partial_last_batch(dataset, reader):
+    """Block mode with ``on_corrupt="skip"`` fills each worker's epoch from that worker's
+    next pass, sample by sample: as many samples and batches as without the damage, only
+    the last batch partial, nothing of another worker's share."""
+    d, x, _, m = dataset
+    kw = dict(batch_size=7, shuffle=True, seed=3, num_workers=3)
+    sound = [TFRecordSequenceSource(d, worker_index=w, **kw) for w in range(3)]
+    shares = [set(np.concatenate([b[1] for b in _drain(s)]).tolist()) for s in sound]
+    _flip(os.path.join(d, m.shards[1].file), 4 * _frame(m) + 20)
+    lost = set(range((RECORDS_PER_SHARD + 4) * SPR, 2 * RECORDS_PER_SHARD * SPR))
+    hit = 0
+    for w in range(3):
+        src = TFRecordSequenceSource(d, worker_index=w, on_corrupt="skip", **kw)
+        assert src.access == "blocks" and len(src) == len(sound[w])
+        for _epoch in range(2):
+            batches = _drain(src)
+            sizes = [len(b[1]) for b in batches]
+            own = sound[w].num_samples
+            assert sum(sizes) == own == src.num_samples
+            assert sizes[:-1] == [7] * (len(sizes) - 1) and sizes[-1] == own - 7 * (len(sizes) - 1)
+            assert len(batches) == len(src)
+            assert _check_samples(batches, x) == own
+            ids = np.concatenate([b[1] for b in batches]).tolist()
+            assert set(ids) <= shares[w] - lost, f"worker {w} read outside its share"
+        if shares[w] & lost:
+            hit += 1
+            assert len(ids) > len(set(ids)), "the lost samples' places were filled with repeats"
+            assert src.corrupt_records == RECORDS_PER_SHARD - 4  # its reader read them all
+        else:
+            assert sorted(ids) == sorted(shares[w]) and src.corrupt_records == 0
+    assert hit == 2  # records 19-29: the end of worker 0's share, the start of worker 1's
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counts")
+@pytest.mark.parametrize("reader", ["graph"], indirect=True)
+def test_block_mode_skip_reads_no_more_than_raise_without_damage(dataset, reader):
+    """The fill of block mode's skip mode does not open the next pass where the epoch is
+    whole: an epoch reads the same bytes as with ``on_corrupt="raise"``."""
+    d, _, _, m = dataset
+    shard_bytes = m.shards[0].bytes
+    read = {}
+    for mode in ("raise", "skip"):
+        src = TFRecordSequenceSource(d, batch_size=7, shuffle=True, seed=1, on_corrupt=mode)
+        assert src.access == "blocks"
+        _drain(src)  # traced and warm
+        before = _bytes_read()
+        for _epoch in range(3):
+            assert sum(len(b[1]) for b in _drain(src)) == N
+        read[mode] = _bytes_read() - before
+    assert read["raise"] >= 3 * N * 6 * 4  # every shard read each epoch
+    assert abs(read["skip"] - read["raise"]) < shard_bytes, read
 
 
 class _CountBatches(keras.callbacks.Callback):

@@ -83,7 +83,7 @@ class GraphReader:
         on_corrupt: str,
         report_skip: Callable[..., bool],
         service: tuple[str, str, str | None] | None,
-        fill_steps: int | None = None,
+        fill_rows: int | None = None,
         sample_keep: np.ndarray | None = None,
     ):
         self.manifest = manifest
@@ -101,7 +101,7 @@ class GraphReader:
         self.on_corrupt = on_corrupt
         self.report_skip = report_skip
         self.service = service
-        self.fill_steps = fill_steps
+        self.fill_rows = fill_rows
 
     def dataset(self, next_epoch: Callable[[], tuple[int, int]]) -> tf.data.Dataset:
         """Batches of each new iterator's epoch, from its first batch on."""
@@ -119,14 +119,16 @@ class GraphReader:
 
     def epoch(self, epoch: Any) -> tf.data.Dataset:
         """One epoch's batches. With ``on_corrupt="skip"``, dropped records would shorten
-        it: it is filled from the next pass, so Keras gets exactly the steps it was given."""
-        batches = self.batches(epoch)
-        if self.fill_steps is not None:
-            batches = batches.repeat().take(self.fill_steps)
-        return batches
+        it: it is filled, sample by sample, from the next pass, so Keras gets exactly the
+        steps it was given and only the epoch's last batch can be partial."""
+        pools = self.pools(epoch)
+        if self.fill_rows is not None:
+            pools = _filled(pools, self.fill_rows)
+        return pools.rebatch(self.batch_size, drop_remainder=self.drop_remainder)
 
-    def batches(self, epoch: Any) -> tf.data.Dataset:
-        """The pipeline of one epoch (``epoch`` a scalar tensor, or None on the service)."""
+    def pools(self, epoch: Any) -> tf.data.Dataset:
+        """One pass's pools of decoded samples (``epoch`` a scalar tensor, or None on the
+        service), each a dict of features with the pool's samples on the first axis."""
         m = self.manifest
         spr = m.samples_per_record
         specs = self.specs
@@ -354,8 +356,7 @@ class GraphReader:
             # Reading, parsing and decoding run on the tf.data service workers; batches are
             # cut here, so an epoch keeps exactly the step count Keras was given.
             pools = _distribute.via_service(pools, *self.service)
-        batches = pools.rebatch(self.batch_size, drop_remainder=self.drop_remainder)
-        return batches
+        return pools
 
     def _layout_check(self, frame: int) -> Callable[[Any, Any, Any, Any, Any], Any] | None:
         """``check(path, index, record_number, n_records, record)``: True when every
@@ -518,6 +519,49 @@ def _fixed_layout_decoder(
         return tf.cond(full, lambda: fast(serialized), lambda: slow(serialized))
 
     return decode
+
+
+def _rows_of(pool: dict) -> Any:
+    """The samples in a pool: the first axis of its first feature."""
+    first = next(iter(pool.values()))
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows(out_type=tf.int64)
+    return tf.shape(first, out_type=tf.int64)[0]
+
+
+def _empty_pool(spec: dict) -> dict:
+    """A pool of no sample with the element spec ``spec``."""
+
+    def empty(s: Any) -> Any:
+        if isinstance(s, tf.RaggedTensorSpec):
+            values = tf.zeros([0, *s.shape[2:]], s.dtype)
+            return tf.RaggedTensor.from_row_lengths(
+                values, tf.zeros([0], s.row_splits_dtype), validate=False
+            )
+        return tf.zeros([0, *s.shape[1:]], s.dtype)
+
+    return {k: empty(s) for k, s in spec.items()}
+
+
+def _filled(pools: tf.data.Dataset, rows: int) -> tf.data.Dataset:
+    """``pools`` cut to exactly ``rows`` samples, continued with further passes where one
+    pass holds fewer (records dropped by ``on_corrupt="skip"``).
+
+    Each pass is followed by an empty pool, so an epoch whose first pass holds all its
+    samples stops there: `take_while` sees the empty pool, not a pool of the next pass, and
+    nothing of that pass is opened or read."""
+    rows_ = tf.constant(rows, tf.int64)
+    marker = tf.data.Dataset.from_tensors(_empty_pool(pools.element_spec))
+    stream = pools.concatenate(marker).repeat()
+
+    def cut(before: Any, pool: Any) -> Any:
+        n = _rows_of(pool)
+        keep = tf.clip_by_value(rows_ - before, 0, n)
+        return before + n, (before, {k: v[:keep] for k, v in pool.items()})
+
+    cut_stream = stream.scan(tf.constant(0, tf.int64), cut)
+    kept = cut_stream.take_while(lambda before, pool: before < rows_)
+    return kept.map(lambda before, pool: pool)
 
 
 def _records_or_empty(path: Any, compression: str) -> tf.data.Dataset:
