@@ -172,11 +172,23 @@ class FeatureSpec:
         return cls(role=role, name=name, dtype=dt.name, shape=shape[1:])
 
 
+def bool_bytes(array: Any) -> np.ndarray:
+    """A C-contiguous ``uint8`` array of ``array``'s truth values, each 0 or 1.
+
+    NumPy takes any nonzero byte of a bool array for True (``np.frombuffer(b, bool)``,
+    ``u8.view(bool)``), and TensorFlow keeps such a byte as it is: written as it is, a
+    byte 2 would read back as 2 through a bitcast and as 1 through a cast."""
+    arr = np.asarray(array)
+    if arr.dtype == np.bool_:
+        return np.not_equal(arr.view(np.uint8), 0, order="C").view(np.uint8)
+    return np.ascontiguousarray(arr, dtype=np.bool_).view(np.uint8)
+
+
 def to_le_bytes(array: np.ndarray, spec: FeatureSpec) -> np.ndarray:
     """Returns a C-contiguous little-endian view or copy of `array` in `spec`'s dtype."""
     arr = np.asarray(array)
     if spec.dtype == "bool":
-        return np.ascontiguousarray(arr, dtype=np.bool_).view(np.uint8)
+        return bool_bytes(arr)
     target = spec.np_dtype
     if arr.dtype != target:
         arr = arr.astype(target)

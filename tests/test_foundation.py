@@ -79,6 +79,38 @@ def test_every_dtype_round_trips_bit_for_bit(make_dataset, dtype, shuffle):
     assert _same_bits(xs["s"][order], scalar)
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_bool_bytes_other_than_0_and_1_are_written_as_1(tmp_path, access):
+    """NumPy takes any nonzero byte of a bool array for True (`u8.view(bool)`,
+    `np.frombuffer(b, bool)`); the format stores 0 or 1, so both modes read the same
+    values, and a bitcast or a sum counts True as 1 (fixed and variable-length)."""
+    raw = np.array([[0, 1, 2, 255, 128, 0]] * 10, dtype=np.uint8)
+    x = raw.view(np.bool_)[:, ::-1]  # non-contiguous too
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, np.arange(10), d, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=10, shuffle=False, access=access)
+    (xs, ys), nb = _collect(src)
+    assert nb == 1 and np.array_equal(ys, np.arange(10))
+    expected = (raw != 0)[:, ::-1]
+    assert xs.view(np.uint8).max() == 1 and np.array_equal(xs, expected)
+    xb = next(iter(src))[0]
+    assert int(tf.reduce_sum(tf.cast(xb, tf.int32))) == expected.sum()
+    assert np.array_equal(next(src.as_numpy_iterator())[0].view(np.uint8), expected)
+
+    rows = [raw[i, : 2 + i % 4].view(np.bool_) for i in range(10)]
+    v = str(tmp_path / "varlen")
+    ArraysToRecords.from_arrays(rows, np.arange(10), v, variable_length=["x"], verbose=0)
+    xb, yb = next(iter(TFRecordSequenceSource(v, batch_size=10, shuffle=False, ragged="ragged")))
+    assert np.array_equal(yb.numpy(), np.arange(10))
+    for i, row in enumerate(xb):
+        assert np.array_equal(row.numpy().view(np.uint8), raw[i, : 2 + i % 4] != 0)
+    m = Manifest.load(v)
+    (key,) = [f.key for f in m.features if f.role == "x"]
+    for r in tf.data.TFRecordDataset(m.shard_path(m.shards[0])):
+        stored = tf.train.Example.FromString(r.numpy()).features.feature[key].bytes_list.value
+        assert set(b"".join(stored)) == {0, 1}, "the payload's bytes as written"
+
+
 def test_partial_last_batch_and_drop_remainder(make_dataset, small_xy):
     x, y = small_xy
     d = make_dataset(x, y, samples_per_record=5)

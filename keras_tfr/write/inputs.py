@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_tfr.schema import FeatureSpec, check_dtype
+from keras_tfr.schema import FeatureSpec, bool_bytes, check_dtype
 
 
 def is_array_like(v: Any) -> bool:
@@ -160,7 +160,7 @@ class Variable:
         assert first is not None  # `items` is not empty (checked above)
         le = dt.newbyteorder("<") if dt.itemsize > 1 else dt
         if dt == np.bool_:
-            arrays = [np.ascontiguousarray(a, dtype=np.bool_).view(np.uint8) for a in arrays]
+            arrays = [bool_bytes(a) for a in arrays]
         else:
             arrays = [np.ascontiguousarray(a, dtype=le) for a in arrays]
         return cls(arrays, "ragged", dt, tuple(int(d) for d in first.shape[1:]))
