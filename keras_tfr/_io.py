@@ -7,10 +7,13 @@ manifest from a local directory stays quick.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from keras_tfr.errors import DatasetLockedError
@@ -32,6 +35,25 @@ def _gfile() -> Any:
     return tf.io.gfile
 
 
+@contextlib.contextmanager
+def _os_errors(path: str) -> Iterator[None]:
+    """Raises `tf.io.gfile`'s errors as the `OSError` that `os` raises for a local path
+    (`FileNotFoundError` for a missing file, ...), so that every caller handles a URL as
+    it handles a local path: ``missing_ok``, a resume's missing shard."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.NotFoundError as e:
+        raise FileNotFoundError(errno.ENOENT, e.message or "No such file or directory", path) from e
+    except tf.errors.PermissionDeniedError as e:
+        raise PermissionError(errno.EACCES, e.message or "Permission denied", path) from e
+    except tf.errors.AlreadyExistsError as e:
+        raise FileExistsError(errno.EEXIST, e.message or "File exists", path) from e
+    except tf.errors.OpError as e:
+        raise OSError(errno.EIO, f"{type(e).__name__}: {e.message}", path) from e
+
+
 def join(directory: str, name: str) -> str:
     directory = str(directory)
     if is_remote(directory):
@@ -41,19 +63,22 @@ def join(directory: str, name: str) -> str:
 
 def exists(path: str) -> bool:
     if is_remote(path):
-        return _gfile().exists(path)
+        with _os_errors(path):
+            return bool(_gfile().exists(path))
     return os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
     if is_remote(path):
-        return _gfile().isdir(path)
+        with _os_errors(path):
+            return bool(_gfile().isdir(path))
     return os.path.isdir(path)
 
 
 def makedirs(path: str) -> None:
     if is_remote(path):
-        _gfile().makedirs(path)
+        with _os_errors(path):
+            _gfile().makedirs(path)
     else:
         os.makedirs(path, exist_ok=True)
 
@@ -71,23 +96,26 @@ def remove_empty_directory(path: str) -> None:
 
 def listdir(path: str) -> list[str]:
     if is_remote(path):
-        return [n.rstrip("/") for n in _gfile().listdir(path)]
+        with _os_errors(path):
+            return [n.rstrip("/") for n in _gfile().listdir(path)]
     return os.listdir(path)
 
 
 def size(path: str) -> int:
     if is_remote(path):
-        return int(_gfile().stat(path).length)
+        with _os_errors(path):
+            return int(_gfile().stat(path).length)
     return os.stat(path).st_size
 
 
 def remove(path: str, missing_ok: bool = True) -> None:
     try:
         if is_remote(path):
-            _gfile().remove(path)
+            with _os_errors(path):
+                _gfile().remove(path)
         else:
             os.remove(path)
-    except (FileNotFoundError, OSError) as e:
+    except OSError as e:
         if not missing_ok or exists(path):
             raise e
 
@@ -95,15 +123,16 @@ def remove(path: str, missing_ok: bool = True) -> None:
 def rename(src: str, dst: str) -> None:
     """Atomic on local file systems (``os.replace``); a copy and delete on object stores."""
     if is_remote(src):
-        _gfile().rename(src, dst, overwrite=True)
+        with _os_errors(src):
+            _gfile().rename(src, dst, overwrite=True)
     else:
         os.replace(src, dst)
 
 
 def read_bytes(path: str) -> bytes:
     if is_remote(path):
-        with _gfile().GFile(path, "rb") as f:
-            return f.read()
+        with _os_errors(path), _gfile().GFile(path, "rb") as f:
+            return bytes(f.read())
     with open(path, "rb") as f:
         return f.read()
 
@@ -125,7 +154,7 @@ def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
     """
     tmp = f"{path}.tmp-{os.getpid()}"
     if is_remote(path):
-        with _gfile().GFile(tmp, "wb") as f:
+        with _os_errors(tmp), _gfile().GFile(tmp, "wb") as f:
             f.write(data)
     else:
         with open(tmp, "wb") as f:

@@ -175,3 +175,61 @@ def test_url_join_and_listdir():
     assert _io.size(_io.join(directory, "f.bin")) == 3
     _io.remove(_io.join(directory, "f.bin"))
     assert not _io.exists(_io.join(directory, "f.bin"))
+
+
+def test_url_errors_are_the_os_errors_of_a_local_path():
+    """`tf.io.gfile` raises `tf.errors.NotFoundError` for a missing file; `_io` raises
+    what `os` raises for a local path, so callers handle both alike."""
+    directory = _ram_dir()
+    _io.makedirs(directory)
+    missing = _io.join(directory, "missing")
+    _io.remove(missing)  # missing_ok
+    with pytest.raises(FileNotFoundError):
+        _io.remove(missing, missing_ok=False)
+    with pytest.raises(FileNotFoundError):
+        _io.read_bytes(missing)
+    with pytest.raises(FileNotFoundError):
+        _io.size(missing)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_overwrite_on_a_url(no_local_io_for_urls, fresh):
+    """``overwrite=True`` on a URL, over a data set or into a directory that never held
+    one, replaces it (it raised `NotFoundError` after deleting the old data set)."""
+    x, y, w = _arrays(60)
+    url = _ram_dir()
+    if not fresh:
+        ArraysToRecords.from_arrays(x[::-1], y, url, samples_per_record=8, verbose=0)
+    for _ in range(2):
+        ArraysToRecords.from_arrays(x, y, url, sample_weight=w, overwrite=True, verbose=0)
+        rx, ry, rw = _read_all(TFRecordSequenceSource(url, batch_size=16, shuffle=False))
+        assert _same_bits(rx, x) and _same_bits(ry, y) and _same_bits(rw, w)
+
+
+def test_resume_on_a_url_rewrites_a_missing_shard(no_local_io_for_urls, caplog):
+    """docs/reliability.md: a resume rewrites a shard its journal lists but that is gone,
+    on a URL as on a local path."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2_000, 64)).astype(np.float32)
+    y = np.arange(2_000)
+
+    def batches(fail_at=None):
+        for i in range(0, 2_000, 125):
+            if i == fail_at:
+                raise RuntimeError("interrupted")
+            yield x[i : i + 125], y[i : i + 125]
+
+    url = _ram_dir()
+    kw = dict(verbose=0, shard_size="64KB", record_size="16KB")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        ArraysToRecords.from_arrays(batches(fail_at=1_500), directory=url, **kw)
+    shards = sorted(n for n in tf.io.gfile.listdir(url) if n.startswith("shard-"))
+    assert len(shards) >= 3 and MANIFEST_NAME not in tf.io.gfile.listdir(url)
+    tf.io.gfile.remove(f"{url}/{shards[1]}")
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        ArraysToRecords.from_arrays(batches(), directory=url, resume=True, **kw)
+    assert f"not resuming from {shards[1]}: missing" in caplog.text
+    source = TFRecordSequenceSource(url, batch_size=500, shuffle=False)
+    got = [(b[0].numpy(), b[1].numpy()) for b in source]
+    assert _same_bits(np.concatenate([g[0] for g in got]), x)
+    assert np.array_equal(np.concatenate([g[1] for g in got]), y)
