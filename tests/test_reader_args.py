@@ -196,3 +196,18 @@ def test_one_record_splits_alike_in_both_modes(tmp_path, monkeypatch, n):
 
 
 # ------------------------------------------------------------------ verify's default
+
+
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_a_relative_path_still_names_the_data_set_after_a_chdir(tmp_path, monkeypatch, access):
+    """A source made from a relative path reads the same shards after `os.chdir` (it
+    reported every record as corrupt), and so do its copies."""
+    x = np.arange(300 * 4, dtype=np.float32).reshape(300, 4)
+    ArraysToRecords.from_arrays(x, np.arange(300), str(tmp_path / "ds"), verbose=0)
+    monkeypatch.chdir(tmp_path)
+    src = TFRecordSequenceSource("ds", batch_size=64, shuffle=False, access=access)
+    assert src.access == access
+    monkeypatch.chdir("/")
+    for s in (src, src.with_batch_size(50), src.replace(shuffle=True, seed=1)):
+        ys = np.concatenate([b[1].numpy() for b in s])
+        assert sorted(ys.tolist()) == list(range(300))

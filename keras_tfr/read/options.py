@@ -63,7 +63,12 @@ class SourceOptions:
             raise TypeError(
                 f"Expected `directory` to be a path or URL. Received: {self.directory!r}"
             )
-        put("directory", os.fspath(self.directory))
+        directory = os.fspath(self.directory)
+        if "://" not in directory:
+            # A relative path names the same data set after an `os.chdir` (its shards
+            # were checked where it was when the source was made).
+            directory = os.path.abspath(directory)
+        put("directory", directory)
         put("batch_size", _checks.positive_int("batch_size", self.batch_size))
         put("shuffle", _checks.boolean("shuffle", self.shuffle))
         put("seed", _checks.optional_seed("seed", self.seed))
