@@ -298,3 +298,24 @@ def test_a_damaged_record_in_fit_is_one_error_not_a_python_traceback(tmp_path, l
     assert result.stderr.count("keras-tfr: corrupt record") <= 1, result.stderr
     assert result.stderr.count("Local rendezvous is aborting") <= 1, result.stderr
     assert "op_kernel.cc" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("batch_mb", [1, 5])
+def test_reading_through_tf_data_draws_no_python_warning(tmp_path, batch_mb):
+    """Sample mode's pipeline, batches under 4 MB (gathered in parallel) and over (one at
+    a time), read through tf.data: no Python warning (TensorFlow warned that
+    `deterministic` has no effect without `num_parallel_calls`)."""
+    import numpy as np
+
+    from keras_tfr import ArraysToRecords, TFRecordSequenceSource
+
+    x = np.zeros((64, 64, 64, 3), np.float32)  # 48 KB per sample
+    ArraysToRecords.from_arrays(x, np.arange(64), str(tmp_path / "ds"), verbose=0)
+    batch = batch_mb * 2**20 // (64 * 64 * 3 * 4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        src = TFRecordSequenceSource(str(tmp_path / "ds"), batch_size=batch, shuffle=False)
+        assert src.access == "samples"
+        ys = [b[1].numpy() for b in src.map(lambda a, b: (a, b))]
+    assert sorted(np.concatenate(ys).tolist()) == list(range(64))
+    assert [str(w.message) for w in record] == []

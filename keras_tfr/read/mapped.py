@@ -1446,7 +1446,7 @@ def lattice_dataset(
     # The mapped tensors travel with each element, as Keras' in-memory arrays do, rather
     # than as captured inputs of `gather`.
     views = tf.data.Dataset.from_tensors(tuple(region)).repeat()
-    parallel = plan.batch_bytes < _SEQUENTIAL_GATHER_BYTES
-    return tf.data.Dataset.zip((batches, views)).map(
-        gather, num_parallel_calls=tf.data.AUTOTUNE if parallel else None, deterministic=True
-    )
+    zipped = tf.data.Dataset.zip((batches, views))
+    if plan.batch_bytes >= _SEQUENTIAL_GATHER_BYTES:
+        return zipped.map(gather)  # in order; `deterministic` would only draw a warning
+    return zipped.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
