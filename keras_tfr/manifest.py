@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -488,8 +489,8 @@ def parse_size(value: Any, *, argument: str) -> int:
     """Parses ``"128MB"``, ``"64KiB"``, ``"1.5GB"`` or an int of bytes."""
     if isinstance(value, bool):
         raise TypeError(f"Expected `{argument}` to be a size in bytes. Received: {value!r}")
-    if isinstance(value, int):
-        n = value
+    if isinstance(value, numbers.Integral):  # NumPy's integers too
+        n = int(value)
     elif isinstance(value, str):
         m = _SIZE.match(value)
         if not m:

@@ -92,10 +92,26 @@ def check_dtype(dtype: Any, *, argument: str) -> np.dtype:
     if dt.name not in SUPPORTED_DTYPES:
         raise TypeError(
             f"Expected `{argument}` to have one of the dtypes {sorted(SUPPORTED_DTYPES)}. "
-            f"Received: dtype={dt} (object, string and complex arrays are not supported; "
-            "convert them to a numeric dtype first)."
+            f"Received: dtype={dt} ({_dtype_hint(dt)})."
         )
     return dt
+
+
+def _dtype_hint(dt: np.dtype) -> str:
+    """What to do with an unsupported dtype, by its kind."""
+    if dt.kind == "f" or "float" in dt.name:  # bfloat16, float8_* (ml_dtypes), float128
+        return "cast it to float32 or float16 first"
+    if "int" in dt.name:  # int4, uint2 (ml_dtypes)
+        return "cast it to int8 or uint8 first"
+    if dt.kind in "mM":
+        return "convert it to int64 first, a count of its unit: `.astype('int64')`"
+    if dt.kind in "OSUV":
+        return (
+            "object, string and structured arrays are not supported as fixed-size "
+            "features; convert numbers to a numeric dtype, and give variable-length "
+            "samples or byte strings as a list with `variable_length=`"
+        )
+    return "complex arrays are not supported; store the real and imaginary parts apart"
 
 
 @dataclass(frozen=True)

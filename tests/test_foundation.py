@@ -354,6 +354,57 @@ def test_tensors_tf_data_batches_and_empty_batches_are_written(tmp_path):
         assert _same_bits(got[0][0].numpy(), x) and _same_bits(got[0][1].numpy(), y), name
 
 
+def test_inputs_the_writer_cannot_take_are_refused_clearly_before_any_write(tmp_path):
+    """Each error names the argument and says what to do; nothing is created."""
+    import ml_dtypes
+    import torch
+
+    x = np.zeros((10, 4), np.float32)
+    y = np.arange(10)
+    d = str(tmp_path / "ds")
+    cases = [
+        # torch's bfloat16 has no NumPy dtype: TypeError from torch, naming nothing.
+        (
+            dict(x=torch.zeros(10, 3, dtype=torch.bfloat16), y=y),
+            TypeError,
+            "`x`.*bfloat16.*cast it",
+        ),
+        (dict(x=x, y=torch.zeros(10, dtype=torch.bfloat16)), TypeError, "`y`.*bfloat16"),
+        (
+            dict(x=x.astype(ml_dtypes.bfloat16), y=y),
+            TypeError,
+            "`x`.*cast it to float32 or float16",
+        ),
+        (dict(x=np.zeros(10, "datetime64[s]"), y=y), TypeError, r"`x`.*\.astype\('int64'\)"),
+        # pandas' `.values` of a column of numbers is an object array.
+        (
+            dict(x=x, y=np.array(list(range(10)), dtype=object)),
+            TypeError,
+            r"np\.asarray\(y, dtype='int64'\)",
+        ),
+        # A tf.data.Dataset of single samples (not batched).
+        (dict(x=tf.data.Dataset.from_tensor_slices((x, y))), ValueError, r"dataset\.batch\(256\)"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            ArraysToRecords.from_arrays(directory=d, verbose=0, **kwargs)
+        assert not os.path.exists(d), kwargs
+
+
+def test_sizes_take_numpy_integers(tmp_path):
+    """`record_size`, `shard_size`, `chunk_size` take NumPy integers, as `batch_size`
+    and `samples_per_record` do (an `np.int64` of bytes was refused)."""
+    x = np.arange(400, dtype=np.float32).reshape(100, 4)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(
+        x, None, d, record_size=np.int64(64), shard_size=np.int32(4096),
+        chunk_size=np.uint32(256), verbose=0,
+    )  # fmt: skip
+    assert m.samples_per_record == 4 and m.total_samples == 100
+    with pytest.raises(TypeError, match="`record_size`"):
+        ArraysToRecords(str(tmp_path / "b"), record_size=np.bool_(True))
+
+
 def test_format_is_standard_tfrecord_of_examples(make_dataset):
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     y = np.arange(6, dtype=np.int64)

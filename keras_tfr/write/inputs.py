@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_tfr.schema import FeatureSpec, bool_bytes, check_dtype
+from keras_tfr.schema import SUPPORTED_DTYPES, FeatureSpec, bool_bytes, check_dtype
 
 
 def is_array_like(v: Any) -> bool:
@@ -64,7 +64,14 @@ def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
         # NumPy's, so the writer takes its NumPy view (host memory for a GPU tensor).
         if callable(getattr(v, "detach", None)) and callable(getattr(v, "cpu", None)):
             v = v.detach().cpu()  # torch: a tensor with a gradient, or on a GPU
-        return np.asarray(v.numpy())
+        try:
+            return np.asarray(v.numpy())
+        except TypeError as e:  # torch's bfloat16 and others without a NumPy dtype
+            raise TypeError(
+                f"Expected `{argument}` to have one of the dtypes {sorted(SUPPORTED_DTYPES)}. "
+                f"Received: a {type(v).__name__} of dtype {v.dtype}, which has no NumPy "
+                f"dtype ({e}); cast it first, e.g. to float32."
+            ) from e
     if is_array_like(v):
         return v
     if isinstance(v, Mapping):
@@ -139,10 +146,17 @@ class Variable:
                 )
             a = np.asarray(v)
             if a.dtype == object or a.ndim == 0:
+                hint = ""
+                if a.ndim == 0 and a.dtype != object:
+                    # e.g. pandas' `.values` of a column of numbers: an object array.
+                    hint = (
+                        f". For one number per sample, give `{argument}` as a numeric array: "
+                        f"`np.asarray({argument}, dtype={a.dtype.name!r})`"
+                    )
                 raise TypeError(
                     f"Expected `{argument}` to be a list (or 1-D object array) of NumPy arrays "
                     "of at least one dimension, or of byte strings. Received: element "
-                    f"{i} of dtype {a.dtype} and shape {a.shape}"
+                    f"{i} of dtype {a.dtype} and shape {a.shape}" + hint
                 )
             if first is None:
                 first = a
@@ -295,6 +309,27 @@ def is_batch_iterable(x: Any) -> bool:
     if x is None or is_array_like(x) or isinstance(x, (Mapping, list, tuple, str, bytes)):
         return False
     return isinstance(x, Iterable)
+
+
+def check_batched(batches: Any) -> None:
+    """Refuses a `tf.data.Dataset` of single samples (not batched): one of its
+    components has no first axis to index samples by (``from_tensor_slices((x, y))``
+    without ``.batch(k)`` gives labels of shape ``()``). Checked on the element spec,
+    before anything is read or written."""
+    spec = getattr(batches, "element_spec", None)
+    if spec is None or not callable(getattr(batches, "batch", None)):
+        return
+    import tensorflow as tf
+
+    for component in tf.nest.flatten(spec):
+        shape = getattr(component, "shape", None)
+        if shape is not None and shape.rank == 0:
+            raise ValueError(
+                "Expected `x` to be a tf.data.Dataset of batches, each component's first "
+                "axis indexing samples. Received: a data set of single samples (a "
+                f"component of shape {shape}: {spec}). Batch it first: "
+                "`dataset.batch(256)`."
+            )
 
 
 def split_batch(item: Any) -> tuple:

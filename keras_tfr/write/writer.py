@@ -435,6 +435,7 @@ def _write_iterable(
             f"Received: min_shards={min_shards}. Pass arrays, or write with "
             "`ArraysToRecords(directory, expected_samples=N, min_shards=...)`."
         )
+    inputs.check_batched(batches)
     options = dataclasses.replace(options, min_shards=1 if min_shards is None else min_shards)
     with make(directory, options) as writer:
         skip = writer.resumed_samples
