@@ -197,6 +197,18 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+def live_writer(directory: str) -> str | None:
+    """``"pid N on HOST"`` when the lock file of ``directory`` names a writer that may be
+    running (its process is alive on this host, or it is on another host); else None."""
+    holder = DirectoryLock(directory)._holder()
+    if not holder:
+        return None
+    host = holder.get("host")
+    if host == socket.gethostname() and not _pid_alive(holder.get("pid")):
+        return None
+    return f"pid {holder.get('pid')} on {host}"
+
+
 class DirectoryLock:
     """One writer per data set directory: a lock file that names its writer.
 

@@ -237,6 +237,14 @@ class Manifest:
         path = _io.join(directory, MANIFEST_NAME)
         if not _io.exists(path):
             if _io.isdir(directory) and _io.exists(_io.join(directory, PROGRESS_NAME)):
+                writer = _io.live_writer(directory)
+                if writer is not None:
+                    raise IncompleteDatasetError(
+                        f"{directory} is being written: a conversion ({writer}) holds its "
+                        f"lock and has not written its {MANIFEST_NAME} yet. Read it once that "
+                        "conversion finishes (if that process is gone, resume the conversion "
+                        "with `ArraysToRecords(..., resume=True)`)."
+                    )
                 raise IncompleteDatasetError(
                     f"{directory} holds an incomplete data set: a conversion into it did not "
                     f"finish, so it has no {MANIFEST_NAME}. Resume it with "

@@ -157,6 +157,19 @@ def test_open_refuses_missing_or_incomplete_dataset(tmp_path, dataset):
         TFRecordSequenceSource(d, batch_size=8)
 
 
+def test_a_data_set_being_written_is_named_so(tmp_path):
+    """A reader opened while a conversion writes the directory is told that it is being
+    written (by which process), not that a conversion "did not finish"."""
+    d = str(tmp_path / "live")
+    x = np.zeros((400, 256), np.float32)
+    with ArraysToRecords(d, shard_size="64KB", record_size="16KB", verbose=0) as w:
+        w.write(x[:300])  # shards complete, no manifest yet
+        with pytest.raises(IncompleteDatasetError, match=f"being written.*pid {os.getpid()}"):
+            TFRecordSequenceSource(d, batch_size=8)
+        w.write(x[300:])
+    assert TFRecordSequenceSource(d, batch_size=8).num_samples == 400
+
+
 # ------------------------------------------------------------------ corruption, raise mode
 
 
