@@ -347,6 +347,29 @@ def test_shard_changed_between_epochs_is_checked_again(data, how):
     assert e.value.file == path and e.value.offset == 2 * frame
 
 
+@pytest.mark.parametrize("n", [5_000, 3_000])
+def test_a_data_set_written_again_under_a_source_is_named_so(tmp_path, n):
+    """`overwrite=True` under a sample-mode source: its next epoch says the data set was
+    written again and to make a new source, not only that a shard is corrupt (with the
+    same number of samples, or fewer: shards cut short or gone)."""
+    d = str(tmp_path / "ds")
+
+    def write(tag, count):
+        x = np.full((count, 64), tag, np.float32)
+        kw = dict(record_size="64KB", overwrite=True, verbose=0)
+        ArraysToRecords.from_arrays(x, np.full(count, tag), d, **kw)
+
+    write(1, 5_000)
+    src = TFRecordSequenceSource(d, batch_size=500, seed=0)
+    assert src.access == "samples"
+    _epoch(src)
+    write(2, n)
+    with pytest.raises(CorruptRecordError, match="written again after this source was made"):
+        _epoch(src)
+    fresh = TFRecordSequenceSource(d, batch_size=500, seed=0)
+    assert sorted(set(np.concatenate([b[1].numpy() for b in fresh]).tolist())) == [2]
+
+
 @pytest.mark.parametrize("verify", ["first_read", "every_epoch"])
 def test_shard_replaced_by_a_copy_of_another_is_refused(data, caplog, verify):
     """Every record of the copy passes its CRC and layout checks; the shard's checksum
