@@ -233,3 +233,21 @@ def test_resume_on_a_url_rewrites_a_missing_shard(no_local_io_for_urls, caplog):
     got = [(b[0].numpy(), b[1].numpy()) for b in source]
     assert _same_bits(np.concatenate([g[0] for g in got]), x)
     assert np.array_equal(np.concatenate([g[1] for g in got]), y)
+
+
+def test_a_file_url_is_read_in_block_mode(tmp_path, caplog):
+    """docs/scaling.md: every URL, `file://` included, is read in block mode; the plain
+    path of the same data set reads in sample mode."""
+    x, y, _ = _arrays(64)
+    local = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, y, local, verbose=0)
+    url = "file://" + os.path.abspath(local)
+    with caplog.at_level("INFO", logger="keras_tfr"):
+        source = TFRecordSequenceSource(url, batch_size=16, shuffle=False)
+    assert source.access == "blocks"
+    assert "reads in blocks mode: it is not on a local file system" in caplog.text
+    with pytest.raises(ValueError, match="not on a local file system"):
+        TFRecordSequenceSource(url, batch_size=16, access="samples")
+    assert TFRecordSequenceSource(local, batch_size=16).access == "samples"
+    rx, ry = (np.concatenate(a) for a in zip(*[(b[0].numpy(), b[1].numpy()) for b in source]))
+    assert _same_bits(rx, x) and _same_bits(ry, y)
