@@ -29,6 +29,11 @@ def is_remote(path: str) -> bool:
     return "://" in str(path)
 
 
+def expand_user(path: str) -> str:
+    """A local path with ``~`` expanded (``os.path.expanduser``); a URL as it is."""
+    return path if is_remote(path) else os.path.expanduser(path)
+
+
 def _gfile() -> Any:
     import tensorflow as tf
 

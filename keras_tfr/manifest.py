@@ -233,7 +233,7 @@ class Manifest:
             ManifestError: no manifest, or it is malformed, unsafe or of an unknown version.
             ShardError: a shard is missing or has the wrong size (names the shard).
         """
-        directory = str(directory)
+        directory = _io.expand_user(str(directory))
         path = _io.join(directory, MANIFEST_NAME)
         if not _io.exists(path):
             if _io.isdir(directory) and _io.exists(_io.join(directory, PROGRESS_NAME)):

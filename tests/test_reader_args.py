@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -211,3 +212,25 @@ def test_a_relative_path_still_names_the_data_set_after_a_chdir(tmp_path, monkey
     for s in (src, src.with_batch_size(50), src.replace(shuffle=True, seed=1)):
         ys = np.concatenate([b[1].numpy() for b in s])
         assert sorted(ys.tolist()) == list(range(300))
+
+
+def test_home_in_a_path_is_expanded_and_a_file_is_no_directory(tmp_path, monkeypatch):
+    """`~` is the home directory for the writer, the source and `verify` (a directory
+    named `~` was created in the working directory); writing into a file is refused by
+    name, before anything is written."""
+    from keras_tfr.verifier import verify
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    ArraysToRecords.from_arrays(x, np.arange(10), "~/ds", verbose=0)
+    assert os.path.isfile(tmp_path / "home" / "ds" / "manifest.json")
+    assert not os.path.exists(tmp_path / "~")
+    src = TFRecordSequenceSource("~/ds", batch_size=4, shuffle=False)
+    assert np.array_equal(np.concatenate([b[0].numpy() for b in src]), x)
+    assert verify("~/ds").ok
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"keep")
+    with pytest.raises(ValueError, match="`directory`.*which is a file"):
+        ArraysToRecords.from_arrays(x, None, str(afile), verbose=0)
+    assert afile.read_bytes() == b"keep"

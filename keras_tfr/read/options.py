@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from keras_tfr import _checks
+from keras_tfr import _checks, _io
 from keras_tfr.manifest import parse_size
 from keras_tfr.read import split as _distribute
 
@@ -66,8 +66,8 @@ class SourceOptions:
         directory = os.fspath(self.directory)
         if "://" not in directory:
             # A relative path names the same data set after an `os.chdir` (its shards
-            # were checked where it was when the source was made).
-            directory = os.path.abspath(directory)
+            # were checked where it was when the source was made); `~` is the home.
+            directory = os.path.abspath(_io.expand_user(directory))
         put("directory", directory)
         put("batch_size", _checks.positive_int("batch_size", self.batch_size))
         put("shuffle", _checks.boolean("shuffle", self.shuffle))

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from keras_tfr import _checks
+from keras_tfr import _checks, _io
 from keras_tfr.manifest import (
     COMPRESSIONS,
     DEFAULT_CHUNK_SIZE,
@@ -27,10 +27,19 @@ from keras_tfr.schema import MAX_RECORD_BYTES
 
 
 def check_directory(directory: Any) -> str:
-    """A data set's directory (a path or URL) as a string."""
+    """A data set's directory (a path or URL) as a string; a local path's ``~`` expanded
+    (a directory named ``~`` in the working directory is never what was meant)."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
         raise TypeError(f"Expected `directory` to be a path or URL string. Received: {directory!r}")
-    return os.fspath(directory)
+    path = _io.expand_user(os.fspath(directory))
+    if _io.is_remote(path):
+        return path
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"Expected `directory` to be a directory (created if missing). Received: "
+            f"{path!r}, which is a file."
+        )
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
