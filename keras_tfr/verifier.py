@@ -10,6 +10,7 @@ the byte offset of the first bad record where there is one.
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -189,7 +190,7 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
         where = f"record {record_index}" + (
             f" at byte offset {e.offset}" if e.offset is not None else ""
         )
-        problems.append(f"{where}: corrupt ({type(e.cause).__name__}: {str(e.cause)[:200]})")
+        problems.append(f"{where}: {_cause(e.cause)}")
         return problems
     if len(problems) > size_problems:
         return problems
@@ -211,6 +212,20 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
     if f"crc32c:{crc:08x}" != shard.checksum:
         problems.append(f"checksum crc32c:{crc:08x} differs from the manifest's {shard.checksum}")
     return problems
+
+
+_TRUNCATED = re.compile(r"^truncated record at (\d+)(?:' failed with\s*(.*))?$", re.DOTALL)
+
+
+def _cause(cause: BaseException) -> str:
+    """A reader's error as a problem: TensorFlow's "truncated record at N' failed with
+    M" (its own quoting, M often empty) as the truncation it is."""
+    text = str(getattr(cause, "message", None) or cause).strip()
+    found = _TRUNCATED.match(text)
+    if found:
+        detail = (found.group(2) or "").strip()
+        return "the file ends inside this record (truncated" + (f": {detail})" if detail else ")")
+    return f"corrupt ({type(cause).__name__}: {text[:200]})"
 
 
 def verify(directory: str, *, verbose: int = 0) -> VerifyReport:

@@ -120,11 +120,26 @@ def test_verify_finds_damage_on_ram_filesystem(no_local_io_for_urls):
     with tf.io.gfile.GFile(path, "rb") as f:
         data = bytearray(f.read())
     data[len(data) // 2] ^= 0xFF
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(bytes(data))
+    _rewrite(path, bytes(data))
     report = verify(directory)
     assert not report.ok
     assert manifest.shards[0].file in report.problems
+    assert any("corrupt" in p for p in report.problems[manifest.shards[0].file])
+    # A shard cut inside its first record: named as the truncation it is (TensorFlow's
+    # own message, "truncated record at 0' failed with ", is not passed on as it is).
+    cut = f"{directory}/{manifest.shards[1].file}"
+    with tf.io.gfile.GFile(cut, "rb") as f:
+        _rewrite(cut, f.read()[:100])
+    problems = verify(directory).problems[manifest.shards[1].file]
+    assert "record 0 at byte offset 0: the file ends inside this record (truncated)" in problems
+    assert not any("failed with" in p for p in problems)
+
+
+def _rewrite(path: str, data: bytes) -> None:
+    """Writes ``path`` anew (TensorFlow's ``ram://`` appends on ``"wb"``: remove first)."""
+    tf.io.gfile.remove(path)
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(data)
 
 
 def test_manifest_read_from_file_url_goes_through_gfile(tmp_path, monkeypatch):
