@@ -391,6 +391,25 @@ def test_inputs_the_writer_cannot_take_are_refused_clearly_before_any_write(tmp_
         assert not os.path.exists(d), kwargs
 
 
+def test_batches_given_as_lists_are_inputs_and_said_so(tmp_path, caplog):
+    """A generator of ``[x, y]`` lists: one `x` of two inputs (as Keras reads a list),
+    with a warning that shows tuples for ``(x, y)``; tuples draw no warning."""
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    y = np.arange(10)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        m = ArraysToRecords.from_arrays(
+            ([x[i : i + 5], y[i : i + 5]] for i in (0, 5)), str(tmp_path / "a"), verbose=0
+        )
+    assert [f.role for f in m.features] == ["x", "x"]
+    assert caplog.text.count("lists of 2 arrays") == 1 and "give tuples" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        m = ArraysToRecords.from_arrays(
+            ((x[i : i + 5], y[i : i + 5]) for i in (0, 5)), str(tmp_path / "b"), verbose=0
+        )
+    assert [f.role for f in m.features] == ["x", "y"] and caplog.text == ""
+
+
 def test_sizes_take_numpy_integers(tmp_path):
     """`record_size`, `shard_size`, `chunk_size` take NumPy integers, as `batch_size`
     and `samples_per_record` do (an `np.int64` of bytes was refused)."""

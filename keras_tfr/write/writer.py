@@ -439,7 +439,17 @@ def _write_iterable(
     options = dataclasses.replace(options, min_shards=1 if min_shards is None else min_shards)
     with make(directory, options) as writer:
         skip = writer.resumed_samples
+        told = False
         for item in batches:
+            if not told and isinstance(item, list) and 2 <= len(item) <= 3:
+                told = True
+                log.warning(
+                    "keras-tfr: the batches of `x` are lists of %d arrays, written as one "
+                    "`x` of %d inputs with no `y`, as Keras reads a list. For `(x, y)` or "
+                    "`(x, y, sample_weight)` batches, give tuples.",
+                    len(item),
+                    len(item),
+                )
             parts = inputs.split_batch(item)
             n = inputs.batch_len(parts)
             if n == 0:
