@@ -231,6 +231,6 @@ def test_home_in_a_path_is_expanded_and_a_file_is_no_directory(tmp_path, monkeyp
     assert verify("~/ds").ok
     afile = tmp_path / "afile"
     afile.write_bytes(b"keep")
-    with pytest.raises(ValueError, match="`directory`.*which is a file"):
+    with pytest.raises(ValueError, match=r"`directory`.*which is a file"):
         ArraysToRecords.from_arrays(x, None, str(afile), verbose=0)
     assert afile.read_bytes() == b"keep"
