@@ -19,6 +19,7 @@ This module only turns options into a plan and a plan into a pipeline; the parts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -184,12 +185,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         keep_tensorflow_off_gpus()  # before TensorFlow starts: no GPU for it under JAX/torch
         check_host_byte_order()
-        from keras_tfr._compat import keras_errors, keras_numpy, keras_shuffle, keras_split
+        from keras_tfr._compat import (
+            keras_build,
+            keras_errors,
+            keras_numpy,
+            keras_shuffle,
+            keras_split,
+        )
 
         keras_errors.install_corrupt_record_errors(corrupt_record_error)
         keras_shuffle.install_shuffle_warning_filter()  # Keras' shuffle warning: wrong for a source
         keras_numpy.install_numpy_batches()  # JAX/torch fit: NumPy batches without tf.data
         keras_split.install_split_hint()  # fit(source, validation_split=...): how to split
+        keras_build.install_build_hook()  # JAX/torch build from a batch: not an epoch
         opts = SourceOptions(
             directory=directory,  # type: ignore[arg-type]
             batch_size=batch_size,
@@ -872,7 +880,21 @@ class _EpochClock:
         self._lock = threading.Lock()
         self._epoch = 0
         self._step = 0
+        self._held = 0
         self.last_step = 0  # first batch of the last epoch handed out
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Iterators that start reading inside read the next epoch without using it up
+        (Keras' JAX and torch trainers build a model from one batch of a fresh iterator,
+        `keras_tfr._compat.keras_build`)."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
 
     def set(self, epoch: int, step: int) -> None:
         with self._lock:
@@ -888,8 +910,9 @@ class _EpochClock:
         with self._lock:
             out = (self._epoch, self._step)
             self.last_step = self._step
-            self._epoch += 1
-            self._step = 0
+            if not self._held:
+                self._epoch += 1
+                self._step = 0
         return out
 
 

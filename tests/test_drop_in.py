@@ -66,10 +66,32 @@ def test_steps_per_epoch_with_a_repeated_source(make_dataset):
         warnings.filterwarnings("error", message=".*ran out of data")
         model.fit(src.repeat(), steps_per_epoch=3, epochs=5, verbose=0, callbacks=[Count()])
     assert steps == [3, 6, 9, 12, 15]
-    with pytest.warns(UserWarning, match="ran out of data"):  # what the README warns of
-        model.fit(src, steps_per_epoch=3, epochs=5, verbose=0)
-    with pytest.warns(UserWarning, match="ran out of data"):  # "as for arrays"
-        model.fit(x, x[:, 0], batch_size=32, steps_per_epoch=3, epochs=5, verbose=0)
+
+    class PerEpoch(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.batches.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches[-1] += 1
+
+    # README: without `repeat()`, one iterator across epochs; the epoch that reaches the
+    # end of the data is cut short ("ran out of data"), the next starts a new pass: as
+    # for arrays. 10 batches per pass.
+    counts = {}
+    for name, data in (("source", dict(x=src)), ("arrays", dict(x=x, y=x[:, 0], batch_size=32))):
+        for spe in (3, 12):
+            per_epoch = PerEpoch()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                model.fit(**data, steps_per_epoch=spe, epochs=5, verbose=0, callbacks=[per_epoch])
+            ran_out = any("ran out of data" in str(w.message) for w in said)
+            counts[name, spe] = (per_epoch.batches, ran_out)
+    assert counts["source", 3] == counts["arrays", 3] == ([3, 3, 3, 1, 3], True)
+    assert counts["source", 12] == counts["arrays", 12] == ([10] * 5, True)
 
 
 def test_a_batch_size_given_to_fit_that_the_source_ignores_is_said_once(make_dataset, caplog):

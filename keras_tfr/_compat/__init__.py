@@ -6,6 +6,8 @@ relies on it. The code that touches them lives in this package only:
 
 * `keras_tfr._compat.keras_shuffle`: Keras' "`shuffle=True` ... will be ignored" warning,
   off for keras-tfr sources (``EpochIterator.__init__``);
+* `keras_tfr._compat.keras_build`: the JAX and torch trainers' build from one batch
+  uses up no epoch of a source (``Trainer._symbolic_build``);
 * `keras_tfr._compat.keras_split`: ``fit(source, validation_split=...)`` says how a
   source splits itself (``array_slicing.train_validation_split``);
 * `keras_tfr._compat.keras_errors`: damaged-data errors inside ``fit`` become
@@ -93,6 +95,17 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "the function that warns; EpochIterator.__init__ must pass `shuffle` to it",
         ("keras_tfr.source",),
         "keras_tfr._compat.keras_shuffle",
+    ),
+    # --- Keras: the JAX/torch build from one batch uses up no epoch (keras_build) ---
+    PrivateAPI(
+        "keras.src.trainers.trainer",
+        "Trainer._symbolic_build",
+        "keras",
+        _KERAS,
+        "wrapped to hold a source's epoch while the JAX and torch trainers build an unbuilt "
+        "model from one batch of a fresh iterator (it used up epoch 0)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_build",
     ),
     # --- Keras: fit(source, validation_split=...) says how a source splits (keras_split) ---
     PrivateAPI(

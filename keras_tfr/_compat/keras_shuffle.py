@@ -29,6 +29,9 @@ shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator 
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
 arrays keeps theirs.
 
+An iterator made for a source is marked with it (``SOURCE_OF_ITERATOR``), for
+`keras_tfr._compat.keras_build`.
+
 The other data sets keras-tfr returns that shuffle themselves (`from_tfrecords`'s,
 `distribute_source`'s, `keras_distribution_source`'s when it cuts the batches) carry a
 mark (`mark_self_shuffling`), and get the same ``shuffle=False`` without the other
@@ -71,6 +74,7 @@ GET_DATA_ADAPTER = "get_data_adapter"
 SHUFFLE_WARNING = "`shuffle=True` was passed, but will be ignored since the data `x` was provided"
 
 _MARK = "_keras_tfr_shuffle_filter"
+SOURCE_OF_ITERATOR = "_keras_tfr_source"  # set on an EpochIterator made for a source
 _SHUFFLES_ITSELF = "_keras_tfr_shuffles_itself"
 _lock = threading.Lock()
 
@@ -190,6 +194,9 @@ def install_shuffle_warning_filter() -> bool:
             elif bound.arguments.get("shuffle") and _shuffles_itself(x):
                 bound.arguments["shuffle"] = False
             original(*bound.args, **bound.kwargs)
+            if _is_keras_tfr_source(x):
+                # The source this iterator reads, for `keras_build`'s hook.
+                setattr(bound.arguments["self"], SOURCE_OF_ITERATOR, x)
 
         setattr(__init__, _MARK, True)
         iterator_class.__init__ = __init__
