@@ -108,6 +108,7 @@ def predict_to_records(
         metadata=metadata,
     )
     writer = ArraysToRecords._from_options(directory, options)
+    tensorflow_backend = keras.backend.backend() == "tensorflow"
     with writer:
         for step, batch in enumerate(source):
             if steps is not None and step >= steps:
@@ -115,6 +116,8 @@ def predict_to_records(
             if not isinstance(batch, tuple):
                 batch = (batch,)
             x, y, _ = keras.utils.unpack_x_y_sample_weight(batch)
+            if not tensorflow_backend:
+                x = _numpy(x)  # JAX's and torch's `predict_on_batch` take no tf.Tensor
             predictions = _numpy(model.predict_on_batch(x))
             if keep_targets and y is None:
                 raise ValueError(

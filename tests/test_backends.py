@@ -47,6 +47,12 @@ SCRIPT = textwrap.dedent(
     loss, acc = model.evaluate(val, verbose=0)
     x = TFRecordSequenceSource(d, batch_size=32, shuffle=False)
     pred = model.predict(x, verbose=0)
+    from keras_tfr import predict_to_records
+    predict_to_records(model, x, sys.argv[1] + "-pred", verbose=0, overwrite=True)
+    written = np.concatenate([
+        np.asarray(b)
+        for b in TFRecordSequenceSource(sys.argv[1] + "-pred", batch_size=256, shuffle=False)
+    ])
     direct = keras.ops.convert_to_numpy(model(xs[:64]))
     quiet = sum("predict reads" in m for m in said)
     try:
@@ -63,6 +69,7 @@ SCRIPT = textwrap.dedent(
         "pred_match": bool(np.allclose(pred[:64], direct, atol=1e-5)),
         "shuffled_predict_said": [quiet, sum("predict reads" in m for m in said)],
         "split_hint": hint, "next_epoch": next_epoch,
+        "to_records_match": bool(np.allclose(written, pred, atol=1e-5)),
     }))
     """
 )
@@ -106,6 +113,7 @@ def test_fit_evaluate_predict_under_each_backend(learnable, backend):
     assert res["shuffled_predict_said"] == [0, 1], "predict on a shuffling source logs once"
     assert "subset='validation'" in res["split_hint"], res["split_hint"]
     assert res["next_epoch"] == [12], "fit's epoch e reads sample_order(e) on every backend"
+    assert res["to_records_match"], "predict_to_records wrote predict's outputs"
 
 
 ADAPTER_SCRIPT = textwrap.dedent(
