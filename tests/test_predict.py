@@ -85,6 +85,18 @@ def test_writer_as_predict_callback(tmp_path, small_xy):
     assert written.numpy().tobytes() == out.astype(np.float32).tobytes()
 
 
+def test_writer_as_predict_callback_follows_predicts_verbose(tmp_path, small_xy, capsys):
+    """`predict(..., verbose=0)` silences the writer's progress bar (its own `verbose`
+    defaults to 1); `verbose=1` shows it."""
+    x, _ = small_xy
+    teacher = _teacher()
+    teacher.predict(x, batch_size=8, callbacks=[ArraysToRecords(str(tmp_path / "q"))], verbose=0)
+    assert "sample" not in capsys.readouterr().out
+    assert Manifest.load(str(tmp_path / "q")).total_samples == 34
+    teacher.predict(x, batch_size=8, callbacks=[ArraysToRecords(str(tmp_path / "v"))], verbose=1)
+    assert "/sample" in capsys.readouterr().out
+
+
 def test_every_layout_bit_for_bit(make_dataset, tmp_path, small_xy):
     x, y = small_xy
     src = TFRecordSequenceSource(make_dataset(x, y, samples_per_record=4), 8, shuffle=False)

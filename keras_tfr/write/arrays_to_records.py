@@ -57,7 +57,8 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
             records; file-based sharding across workers needs several shards per worker).
             Shards are cut as data arrives, so a value above 1 needs `expected_samples`.
         chunk_size: bytes of input read and converted at a time (bounds memory).
-        verbose: 1 shows a `keras.utils.Progbar`, 0 is silent.
+        verbose: 1 shows a `keras.utils.Progbar`, 0 is silent (attached to `predict`,
+            `predict(..., verbose=0)` silences it too).
         metadata: a JSON-serializable dict stored in the manifest as ``user_metadata``.
         variable_length: feature keys (``"x"``, ``"y"``, ``"x/tokens"``, ...) whose samples
             vary in length: give them as lists of arrays (varying first axis) or of byte
@@ -200,9 +201,14 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
         return write_arrays(cls._from_options, directory, x, y, sample_weight, options, min_shards)
 
     def _make_progress(self, total: int | None) -> Any:
-        return keras.utils.Progbar(total, verbose=self.options.verbose, unit_name="sample")
+        verbose = 0 if getattr(self, "_predict_quiet", False) else self.options.verbose
+        return keras.utils.Progbar(total, verbose=verbose, unit_name="sample")
 
     # ------------------------------------------------------------------ Keras callback
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        """``predict(..., verbose=0)`` silences this writer's progress bar too."""
+        self._predict_quiet = (self.params or {}).get("verbose") == 0
 
     def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Writes the batch's predictions (as ``x``) when used as a predict callback."""
