@@ -27,6 +27,20 @@ def test_fit_with_validation_split_on_a_source_says_how_the_source_splits(make_d
     assert "validation_split=0.25, subset='training'" in message
     assert "subset='validation', shuffle=False" in message
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    # The lines shown run, on the source passed, and keep its options (seed included).
+    source = TFRecordSequenceSource(d, 4, seed=5, drop_remainder=True)
+    with pytest.raises(ValueError, match="only") as e:
+        model.fit(source, validation_split=0.25, verbose=0)
+    scope = {"source": source}
+    for line in str(e.value).splitlines()[1:3]:
+        exec(line.strip(), scope)
+    train, val = scope["train"], scope["val"]
+    assert train.config.seed == val.config.seed == 5 and train.config.drop_remainder
+    assert not set(train.sample_order(0)) & set(val.sample_order(0))
+    # A source that is a subset already is shown its other subset, not a new split.
+    with pytest.raises(ValueError, match="already the 'training' subset") as e:
+        model.fit(train, validation_split=0.1, verbose=0)
+    assert "source.replace(subset='validation', shuffle=False)" in str(e.value)
     history = model.fit(x, y, validation_split=0.25, epochs=1, verbose=0).history
     assert "val_loss" in history
     with pytest.raises(ValueError, match="only supported for tensors or NumPy arrays") as e:

@@ -37,19 +37,32 @@ _lock = threading.Lock()
 
 
 def split_hint(source: Any, validation_split: Any) -> str:
-    """What to write instead of ``fit(source, validation_split=...)``."""
-    d = source._cfg.directory
-    b = source._cfg.batch_size
-    return (
+    """What to write instead of ``fit(source, validation_split=...)``: the source's own
+    split, made with `TFRecordSequenceSource.replace` so that every other option (seed,
+    batch size, windows, ...) stays as the user gave it."""
+    cfg = source._cfg
+    head = (
         f"keras-tfr: fit(validation_split={validation_split!r}) cannot split a "
-        f"TFRecordSequenceSource ({d}): Keras splits arrays only. The source splits itself "
-        f"(`validation_split`, `subset`, `seed`): make two sources and pass the second as "
-        f"validation_data:\n"
-        f"    train = TFRecordSequenceSource({d!r}, {b}, seed=0, "
-        f"validation_split={validation_split!r}, subset='training')\n"
-        f"    val = TFRecordSequenceSource({d!r}, {b}, seed=0, "
-        f"validation_split={validation_split!r}, subset='validation', shuffle=False)\n"
-        f"    model.fit(train, validation_data=val, ...)"
+        f"TFRecordSequenceSource ({cfg.directory}): Keras splits arrays only. "
+    )
+    if cfg.validation_split is not None:
+        other = "validation" if cfg.subset == "training" else "training"
+        return head + (
+            f"This source is already the {cfg.subset!r} subset of its own "
+            f"validation_split={cfg.validation_split!r}; pass the {other!r} subset as "
+            "validation_data:\n"
+            f"    val = source.replace(subset={other!r}, shuffle=False)\n"
+            "    model.fit(source, validation_data=val, ...)"
+        )
+    seed = "" if cfg.seed is not None else ", seed=0"  # a split needs a seed
+    return head + (
+        "The source splits itself (`validation_split`, `subset`, `seed`): make two "
+        "sources from it and pass the second as validation_data:\n"
+        f"    train = source.replace(validation_split={validation_split!r}, "
+        f"subset='training'{seed})\n"
+        f"    val = source.replace(validation_split={validation_split!r}, "
+        f"subset='validation', shuffle=False{seed})\n"
+        "    model.fit(train, validation_data=val, ...)"
     )
 
 
