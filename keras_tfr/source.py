@@ -457,6 +457,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
         """
         return self.replace(batch_size=batch_size)
 
+    def repeat(self, count: Any = None, name: str | None = None) -> tf.data.Dataset:
+        """`tf.data.Dataset.repeat`: each pass is the source's next epoch, in that epoch's
+        order. The repeated data set still shuffles itself, so Keras' "`shuffle=True` ...
+        will be ignored" warning stays off for it too (`fit(source.repeat(),
+        steps_per_epoch=...)`).
+
+        Example:
+            >>> model.fit(source.repeat(), steps_per_epoch=100, epochs=10)
+        """
+        from keras_tfr._compat import keras_shuffle
+
+        return keras_shuffle.mark_self_shuffling(super().repeat(count, name=name))
+
     @staticmethod
     def from_tfrecords(
         paths_or_glob: Any, features: Any = None, batch_size: int = 32, **kwargs: Any
