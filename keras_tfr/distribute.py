@@ -353,6 +353,44 @@ class ServiceCluster:
         return f"<ServiceCluster dispatcher={self.target} workers={self.worker_addresses}>"
 
 
+def _check_port(argument: str, port: Any) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(
+            f"Expected `{argument}` to be a TCP port (1-65535, or 0 for a free one). "
+            f"Received: {port!r}"
+        )
+
+
+def _port_free(port: int) -> None:
+    """Raises `OSError` (errno EADDRINUSE) when another process listens on ``port``:
+    TensorFlow's gRPC servers bind with ``SO_REUSEPORT``, so a second server on a port in
+    use would start without a word and share the port with the first, trainers reaching
+    one or the other at random."""
+    if port == 0:
+        return
+    import errno
+    import socket
+
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(
+                        errno.EADDRINUSE,
+                        f"Port {port} is already in use (another dispatcher or worker, or "
+                        "another program, listens on it): choose another port, or 0 for a "
+                        "free one",
+                    ) from e
+                # EADDRNOTAVAIL (an IPv6 stack without the address) and others: not ours
+
+
 def start_service(
     num_workers: int = 2,
     *,
@@ -393,6 +431,11 @@ def start_service(
             f"Expected one port per worker in `worker_ports` ({num_workers}). "
             f"Received: {worker_ports!r}"
         )
+    _check_port("port", port)
+    for p in worker_ports or ():
+        _check_port("worker_ports", p)
+    for p in ([port] if dispatcher is None else []) + list(worker_ports or []):
+        _port_free(p)
     service = tf.data.experimental.service
     server = None
     if dispatcher is None:

@@ -468,6 +468,63 @@ def test_convert_shuffle_seed_writes_the_seeded_order_and_resume_names_the_flag(
     assert "`--shuffle-seed`" in err and "shuffle_seed" not in err, err
 
 
+def test_serve_refuses_a_port_in_use_and_bad_ports_or_duration(capsys):
+    """A port another program listens on (TensorFlow's gRPC servers would share it with
+    `SO_REUSEPORT`, trainers then reaching one or the other), a port out of range (it
+    was taken modulo 65536) and a duration that is not positive: exit 2, nothing
+    started."""
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    busy = listener.getsockname()[1]
+    try:
+        for args, said in (
+            (["--port", str(busy)], f"Port {busy} is already in use"),
+            (["--workers", "1", "--port", "0", "--worker-ports", str(busy)], f"Port {busy}"),
+            (["--port", "99999"], "Expected `--port` to be a TCP port (1-65535"),
+            (["--workers", "1", "--worker-ports", "70000"], "`--worker-ports` to be a TCP"),
+            (["--duration", "-1"], "--duration must be > 0 seconds"),
+        ):
+            assert main(["serve", "--workers", "0", *args]) == 2, args
+            out = capsys.readouterr()
+            assert said in out.err and "dispatcher:" not in out.out, (args, out)
+    finally:
+        listener.close()
+
+
+def test_ctrl_c_while_tensorflow_loads_is_one_line_and_130(make_dataset, monkeypatch, capsys):
+    """docs/cli.md: 130 after Ctrl-C. Importing TensorFlow takes seconds, so a Ctrl-C
+    often lands there: "keras-tfr: interrupted", not a traceback of the import."""
+    from keras_tfr import _quiet
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    d = make_dataset(np.zeros((8, 2), np.float32), None)
+    monkeypatch.delitem(sys.modules, "tensorflow")  # restored after the test
+    monkeypatch.setattr(_quiet, "import_tensorflow_quietly", interrupted)
+    assert main(["verify", d]) == 130
+    assert capsys.readouterr().err.strip() == "keras-tfr: interrupted"
+
+
+def test_errors_name_the_flags_of_every_command(tmp_path, capsys):
+    """docs/cli.md: errors name the commands' flags, not the Python arguments."""
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    for argv, flag in (
+        (["parallel", "-n", "0", "--", "true"], "`--num-processes`"),
+        (["parallel", "-n", "2", "--gpu-memory-fraction", "1.5", "--", "true"], "`--gpu"),
+        (["tune", "--workers", "0", str(script)], "`--workers`"),
+        (["tune", "--port", "70000", str(script)], "`--port`"),
+        (["tune", "--timeout", "-1", str(script)], "`--timeout`"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err, (argv, err)
+        for python_name in ("`n`", "`workers`", "`port`", "`timeout`", "`gpu_memory"):
+            assert python_name not in err, (argv, err)
+
+
 @pytest.mark.subprocess
 def test_serve_gives_up_on_a_dispatcher_that_does_not_answer():
     """TensorFlow's workers wait for their dispatcher in a call that neither Ctrl-C nor

@@ -100,8 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         description = command.help[0].upper() + command.help[1:]
         p = sub.add_parser(name, help=command.help, description=description)
         command.add_arguments(p)
-        p.set_defaults(_run=command.run, _tensorflow=command.tensorflow)
+        p.set_defaults(_run=command.run, _tensorflow=command.tensorflow, _flags=_flags_of(p))
     return parser
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The subcommand's options by the Python argument they feed: `` `dest` `` ->
+    `` `--flag` `` (its long form), for `with_flags`."""
+    flags = {}
+    for action in parser._actions:
+        names = [o for o in action.option_strings if o.startswith("--")] or action.option_strings
+        if names and action.dest not in ("help", argparse.SUPPRESS):
+            flags[f"`{action.dest}`"] = f"`{names[0]}`"
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if args._tensorflow and "tensorflow" not in sys.modules:
-        from keras_tfr import _quiet
-
-        _quiet.import_tensorflow_quietly()
     try:
+        if args._tensorflow and "tensorflow" not in sys.modules:
+            from keras_tfr import _quiet
+
+            _quiet.import_tensorflow_quietly()  # seconds: a Ctrl-C often lands here
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("keras-tfr: interrupted", file=sys.stderr)
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except (KerasTFRError, ValueError, TypeError, OSError) as e:
         # One place turns bad input into exit code 2 for every subcommand.
-        print(f"keras-tfr {args.command}: error: {with_flags(e)}", file=sys.stderr)
+        print(f"keras-tfr {args.command}: error: {with_flags(e, args._flags)}", file=sys.stderr)
         return 2
 
 
@@ -165,9 +176,12 @@ _FLAGS = {
 }
 
 
-def with_flags(error: BaseException) -> str:
-    """``error``'s message with the library's arguments replaced by the commands' flags."""
+def with_flags(error: BaseException, flags: dict[str, str] | None = None) -> str:
+    """``error``'s message with the library's arguments replaced by the commands' flags:
+    `_FLAGS`, then the subcommand's own options (``flags``, from `_flags_of`)."""
     message = str(error)
     for argument, flag in _FLAGS.items():
+        message = message.replace(argument, flag)
+    for argument, flag in (flags or {}).items():
         message = message.replace(argument, flag)
     return message

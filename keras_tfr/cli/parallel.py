@@ -15,6 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--num-processes",
+        dest="n",  # `launch(n=...)`: its errors name `n`, shown as the flag
         type=int,
         required=True,
         metavar="N",
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     return launch(
         command,
-        args.num_processes,
+        args.n,
         gpu_memory_mb=args.gpu_memory_mb,
         gpu_memory_fraction=args.gpu_memory_fraction,
         fail_fast=args.fail_fast,

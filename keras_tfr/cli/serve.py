@@ -127,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
             f"keras-tfr serve: error: --workers must be >= 0, got {args.workers}", file=sys.stderr
         )
         return 2
+    if args.duration is not None and not args.duration > 0:
+        print(
+            f"keras-tfr serve: error: --duration must be > 0 seconds, got {args.duration}",
+            file=sys.stderr,
+        )
+        return 2
     if args.dispatcher is not None and args.workers == 0:
         print("keras-tfr serve: error: --dispatcher needs --workers >= 1", file=sys.stderr)
         return 2

@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
             verbose=not args.quiet,
         )
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"keras-tfr tune: error: {e}", file=sys.stderr)
+        from keras_tfr.cli import with_flags
+
+        print(f"keras-tfr tune: error: {with_flags(e, args._flags)}", file=sys.stderr)
         return 2
     counts: dict[str, int] = {}
     for t in result.trials:
