@@ -468,8 +468,11 @@ def _keys_of(value: Any, argument: str) -> list[str]:
     )
 
 
-def _roles(keys: Sequence[str], x: Any, y: Any, sample_weight: Any) -> dict[str, Any]:
-    """role -> a feature name (one tensor) or a list of names (a dict of tensors)."""
+def _roles(
+    keys: Sequence[str], x: Any, y: Any, sample_weight: Any, inferred: bool = False
+) -> dict[str, Any]:
+    """role -> a feature name (one tensor) or a list of names (a dict of tensors).
+    ``inferred``: ``keys`` were read from the files, not given as ``features``."""
     y_keys = _keys_of(y, "y")
     sw_keys = _keys_of(sample_weight, "sample_weight")
     if len(sw_keys) > 1:
@@ -481,6 +484,12 @@ def _roles(keys: Sequence[str], x: Any, y: Any, sample_weight: Any) -> dict[str,
     used = x_keys + y_keys + sw_keys
     for k in used:
         if k not in keys:
+            role = "x" if k in x_keys else "y" if k in y_keys else "sample_weight"
+            if inferred:
+                raise ValueError(
+                    f"Expected `{role}` to name a feature of the files. Received: {k!r}; "
+                    f"their records hold {sorted(keys)}."
+                )
             raise ValueError(
                 f"Feature {k!r} is not in `features` ({sorted(keys)}): add it to `features`."
             )
@@ -582,12 +591,13 @@ def from_tfrecords(
         )
     shuffle_bytes = parse_size(shuffle_memory, argument="shuffle_memory")
     paths = expand_paths(paths_or_glob)
+    inferred = features is None
     if features is None:
         features = infer_features(paths, compression=compression)
         log.info("keras-tfr: inferred features %s", features)
     parse_spec, tensors = _parse_plan(features)
     keys = list(features)
-    roles = _roles(keys, x, y, sample_weight)
+    roles = _roles(keys, x, y, sample_weight, inferred=inferred)
     ragged, decode = check_decode_options(ragged, decode, keys)
 
     counts = count_records(paths, compression=compression, cache=cache_counts)

@@ -195,6 +195,16 @@ def test_bad_input_exits_2_with_a_message(tmp_path, args, capsys):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("shape", ["-8", "0", "4,0"])
+def test_a_raw_spec_with_a_dimension_below_1_names_the_spec(tmp_path, capsys, shape):
+    (tmp_path / "raw.bin").write_bytes(b"\0" * 64)
+    spec = f"{tmp_path}/raw.bin:float32:{shape}"
+    assert main(["convert", str(tmp_path / "out"), "--x", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec!r}: bad shape {shape!r}: every dimension must be a positive int" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_input_exit_code_in_a_subprocess(tmp_path):
     r = run("convert", str(tmp_path / "out"), "--x", str(tmp_path / "missing.npy"))
     assert r.returncode == 2 and "missing.npy" in r.stderr
@@ -273,6 +283,11 @@ def test_cli_doc_lists_every_subcommand_with_its_real_options():
         options = set(parsers[name]._option_string_actions)
         for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", usage):
             assert flag in options, f"docs/cli.md: `{name} {flag}` is no option of {name}"
+    for name, parser in parsers.items():  # every long option is in the doc
+        for option in parser._option_string_actions:
+            if option.startswith("--") and option != "--help":
+                pattern = rf"(?<![\w-]){re.escape(option)}(?![\w-])"
+                assert re.search(pattern, doc), f"docs/cli.md does not show `{name} {option}`"
     defaults = {
         ("convert", "min_shards"): 8,
         ("tune", "workers"): 2,

@@ -561,6 +561,8 @@ def test_convert_tfrecords_errors_name_the_command_line(tmp_path, capsys):
         ([str(tmp_path / "nope.tfrecord"), d], "SRC '"),
         ([path, d, "--feature", "x=float32:2", "--y", "label"], "'label' has no --feature"),
         ([path, d, "--feature", "x=int64:2"], "with the given --feature (Name: <unknown>"),
+        # Features inferred (no --feature): the name is not one of the files'.
+        ([path, d, "--y", "nolabel"], "`--y` to name a feature of the files. Received: "),
     ]
     for args, said in cases:
         assert main(["convert-tfrecords", *args, "--quiet"]) == 2

@@ -75,3 +75,19 @@ def test_bench_exits_1_on_damage_as_info_and_verify_do(damaged, capsys, damage):
     assert out == ""  # no result for a run that did not read every sample
     assert err.startswith("keras-tfr bench: damaged data set: ")
     assert m.shards[2].file in err
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path, capsys, monkeypatch, tty):
+    """docs/cli.md: `convert` and `verify` draw Keras' progress bar on a terminal; piped
+    or redirected, only their summary line (the bar's redraw codes would stay in a log)."""
+    import sys
+
+    np.save(tmp_path / "x.npy", np.zeros((300, 4), np.float32))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    d = str(tmp_path / "ds")
+    assert main(["convert", d, "--x", str(tmp_path / "x.npy")]) == 0
+    assert main(["verify", d]) == 0
+    out = capsys.readouterr().out
+    assert "300 samples" in out  # the summary, either way
+    assert ("/sample" in out or "\r" in out or "\x1b[" in out) == tty, out

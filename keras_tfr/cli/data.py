@@ -23,6 +23,7 @@ __all__ = [
     "add_size_arguments",
     "add_verify_arguments",
     "load_array",
+    "progress",
     "run_bench",
     "run_convert",
     "run_info",
@@ -30,6 +31,16 @@ __all__ = [
 ]
 
 _H5_SUFFIXES = (".h5", ".hdf5", ".he5")
+
+
+def progress(args: argparse.Namespace) -> int:
+    """The progress bar's ``verbose``: 1 on a terminal, 0 with ``--quiet`` or when stdout
+    is a pipe or a file (Keras' bar redraws its line with terminal codes, which a log
+    would keep as they are; the summary line is printed either way)."""
+    if getattr(args, "quiet", False):
+        return 0
+    isatty = getattr(sys.stdout, "isatty", None)
+    return 1 if callable(isatty) and isatty() else 0
 
 
 def _error(command: str, message: Any) -> int:
@@ -100,6 +111,11 @@ def load_array(spec: str) -> Any:
         sample_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
     except (TypeError, ValueError) as e:
         raise ValueError(f"{spec!r}: bad dtype or shape ({e})") from e
+    if any(d < 1 for d in sample_shape):
+        raise ValueError(
+            f"{spec!r}: bad shape {shape!r}: every dimension must be a positive int, as in "
+            f"{path}:{dtype}:28,28"
+        )
     sample_bytes = dt.itemsize * int(np.prod(sample_shape, dtype=np.int64))
     size = os.path.getsize(path)
     if sample_bytes == 0 or size % sample_bytes:
@@ -171,7 +187,7 @@ def run_convert(args: argparse.Namespace) -> int:
         min_shards=args.min_shards,
         overwrite=args.overwrite,
         resume=args.resume,
-        verbose=0 if args.quiet else 1,
+        verbose=progress(args),
         shard_size=args.shard_size,
         record_size=args.record_size,
         shuffle_seed=args.shuffle_seed,
@@ -307,7 +323,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     from keras_tfr.verifier import verify
 
-    report = verify(args.directory, verbose=0 if args.quiet else 1)
+    report = verify(args.directory, verbose=progress(args))
     print(report.summary())
     return 0 if report.ok else 1
 

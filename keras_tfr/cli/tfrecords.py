@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from keras_tfr.cli.data import add_size_arguments
+from keras_tfr.cli.data import add_size_arguments, progress
 
 __all__ = ["add_arguments", "run"]
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         compression=args.compression,
         output_compression=args.output_compression,
         overwrite=args.overwrite,
-        verbose=0 if args.quiet else 1,
+        verbose=progress(args),
         shard_size=args.shard_size,
         record_size=args.record_size,
     )
