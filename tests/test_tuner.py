@@ -311,6 +311,26 @@ def test_arrays_get_the_batch_size_passed_to_fit(data_dirs, tmp_path):
     assert [r["steps"] for r in Recorder.runs] == [4]
 
 
+def test_a_plain_dataset_is_told_that_the_batch_size_has_no_effect(data_dirs, tmp_path, caplog):
+    """A `tf.data.Dataset` brings its own batches: Keras ignores `batch_size`, so the
+    trials' batch size would be recorded without being used; the log says so once."""
+    import keras_tuner
+    import tensorflow as tf
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    x, y = data_dirs["x"], data_dirs["y"]
+    data = tf.data.Dataset.from_tensor_slices((x[:N_TRAIN], y[:N_TRAIN])).batch(10)
+    Recorder = _recorder()
+    hypermodel = TFRecordHyperModel(_build_fn(), batch_size=[64, 128])
+    tuner = _tuner(keras_tuner.RandomSearch, hypermodel, tmp_path, max_trials=2)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        tuner.search(data, epochs=1, callbacks=[Recorder()], verbose=0)
+    assert [r["steps"] for r in Recorder.runs] == [N_TRAIN // 10] * len(Recorder.runs)
+    said = [r for r in caplog.records if "batch_size has no effect" in r.getMessage()]
+    assert len(said) == 1 and "TFRecordSequenceSource" in said[0].getMessage()
+
+
 def test_rebatch(sources):
     from keras_tfr.tuner import rebatch
 

@@ -11,6 +11,7 @@ for a ``fit`` of your own. keras-tuner is imported when the class is first used.
 
 from __future__ import annotations
 
+import logging
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -42,6 +43,12 @@ def _check_batch_size(value: Any, argument: str = "batch_size") -> int:
     if value < 1:
         raise ValueError(f"Expected `{argument}` to be a positive int. Received: {value}")
     return value
+
+
+def _is_dataset(data: Any) -> bool:
+    """A `tf.data.Dataset` (or anything that iterates batches of its own, as
+    ``keras.utils.PyDataset``), not arrays."""
+    return hasattr(data, "element_spec") or hasattr(data, "num_batches")
 
 
 def rebatch(
@@ -193,6 +200,16 @@ class _HyperModelMixin:
             kwargs.setdefault("shuffle", False)
         elif batch_size is not None:
             kwargs["batch_size"] = _check_batch_size(batch_size)
+            if _is_dataset(x) and not getattr(self, "_batch_warned", False):
+                self._batch_warned = True
+                logging.getLogger("keras_tfr").warning(
+                    "keras-tfr: TFRecordHyperModel got a %s, not a TFRecordSequenceSource: "
+                    "a data set brings its own batches and Keras ignores batch_size=%s, so "
+                    "the trials' batch_size has no effect on training. Give it a "
+                    "TFRecordSequenceSource (or arrays).",
+                    type(x).__name__,
+                    batch_size,
+                )
         if _is_source(validation_data):
             validation_data = rebatch(validation_data, validation_batch_size or batch_size)
         elif validation_batch_size is not None:
