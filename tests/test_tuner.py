@@ -620,7 +620,7 @@ def test_cli_tune_bad_gpus(tmp_path, gpus, capsys):
     logs = tmp_path / "logs"
     assert main(["tune", "--gpus", gpus, "--log-dir", str(logs), script]) == 2
     err = capsys.readouterr().err
-    assert "keras-tfr tune: error: Expected `gpus` to list GPU ids like ['0', '1']." in err
+    assert "keras-tfr tune: error: Expected `--gpus` to list GPU ids like ['0', '1']." in err
     assert f"Received: {[g.strip() for g in gpus.split(',')]!r}" in err
     assert not logs.exists()  # nothing was started
 

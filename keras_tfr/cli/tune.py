@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,23 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from keras_tfr.tuner import tune
 
-    try:
-        result = tune(
-            args.script,
-            args.script_args,
-            workers=args.workers,
-            gpu_memory_mb=args.gpu_memory_mb,
-            gpus=None if args.gpus is None else args.gpus.split(","),
-            port=args.port,
-            timeout=args.timeout,
-            log_dir=args.log_dir,
-            verbose=not args.quiet,
-        )
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        from keras_tfr.cli import with_flags
-
-        print(f"keras-tfr tune: error: {with_flags(e, args._flags)}", file=sys.stderr)
-        return 2
+    # Bad arguments raise ValueError/TypeError/FileNotFoundError: `keras_tfr.cli.main`
+    # prints them with the flags' names and exits 2.
+    result = tune(
+        args.script,
+        args.script_args,
+        workers=args.workers,
+        gpu_memory_mb=args.gpu_memory_mb,
+        gpus=None if args.gpus is None else args.gpus.split(","),
+        port=args.port,
+        timeout=args.timeout,
+        log_dir=args.log_dir,
+        verbose=not args.quiet,
+    )
     counts: dict[str, int] = {}
     for t in result.trials:
         counts[t["status"]] = counts.get(t["status"], 0) + 1

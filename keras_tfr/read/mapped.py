@@ -422,6 +422,7 @@ class MappedPlan:
         # Per record: 0 unchecked, 1 good, 2 damaged. Claimed records are being checked.
         self.state = np.zeros(total_records, dtype=np.uint8)
         self._claimed = np.zeros(total_records, dtype=bool)
+        self._problems: dict[int, str] = {}  # damaged record -> why, as its check said
         self._check_lock = threading.Condition()
         self.buffers = [_Buffers(self.unit_rows, sb) for sb in self.sample_bytes]
         self.windows: list[np.ndarray] = []
@@ -651,19 +652,29 @@ class MappedPlan:
                 raise error
         bad = records[state[records] == 2]
         if len(bad) and self.skip is None:
-            self._damaged(int(bad[0]), self._check_record(int(bad[0])) or "damaged")
+            first = int(bad[0])
+            problem = self._problems.get(first) or self._check_record(first)
+            self._damaged(first, problem or "damaged")
         return bad
 
     def _check_claims(self, records: np.ndarray, wait: bool) -> None:
         """Claims and checks unchecked records of ``records`` until none is left; with
-        ``wait``, also until the ones other threads claimed are checked. Raises at a
-        damaged record (unless skipping), after marking it."""
+        ``wait``, also until the ones other threads claimed are checked. Skip mode reports
+        each damaged record here; raise mode marks it and stops claiming: `ensure_checked`
+        then raises at the first damaged record of ``records``, whichever thread found
+        it (records are claimed in increasing order, so every record before a damaged one
+        is claimed, and checked, by then)."""
         state = self.state
         while True:
             with self._check_lock:
                 todo = records[state[records] == 0]
                 if not len(todo):
                     return
+                if self.skip is None and bool((state[records] == 2).any()):
+                    if not wait or not self._claimed[todo].any():
+                        return
+                    self._check_lock.wait(0.05)  # for the records others are checking
+                    continue
                 mine = todo[~self._claimed[todo]][:_CLAIM]
                 if not len(mine):
                     if not wait:
@@ -678,11 +689,14 @@ class MappedPlan:
                 with self._check_lock:
                     for r, problem in zip(mine, results):
                         state[r] = 1 if problem is None else 2
+                        if problem is not None:
+                            self._problems[int(r)] = problem
                     self._claimed[mine] = False
                     self._check_lock.notify_all()
-            for r, problem in zip(mine, results):
-                if problem is not None:
-                    self._damaged(int(r), problem)
+            if self.skip is not None:
+                for r, problem in zip(mine, results):
+                    if problem is not None:
+                        self._damaged(int(r), problem)
 
     def _damaged(self, record: int, problem: str) -> None:
         path, offset, index, n_records = self.locate(record)
