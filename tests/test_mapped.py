@@ -347,11 +347,13 @@ def test_shard_changed_between_epochs_is_checked_again(data, how):
     assert e.value.file == path and e.value.offset == 2 * frame
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
 @pytest.mark.parametrize("n", [5_000, 3_000])
-def test_a_data_set_written_again_under_a_source_is_named_so(tmp_path, n):
-    """`overwrite=True` under a sample-mode source: its next epoch says the data set was
-    written again and to make a new source, not only that a shard is corrupt (with the
-    same number of samples, or fewer: shards cut short or gone)."""
+def test_a_data_set_written_again_under_a_source_is_named_so(tmp_path, n, access):
+    """`overwrite=True` under a source: its next epoch says the data set was written
+    again and to make a new source, not only that a shard is corrupt (with the same
+    number of samples, or fewer: shards cut short or gone). Block mode read the new
+    shards under the old manifest while their records passed their checks."""
     d = str(tmp_path / "ds")
 
     def write(tag, count):
@@ -360,13 +362,14 @@ def test_a_data_set_written_again_under_a_source_is_named_so(tmp_path, n):
         ArraysToRecords.from_arrays(x, np.full(count, tag), d, **kw)
 
     write(1, 5_000)
-    src = TFRecordSequenceSource(d, batch_size=500, seed=0)
-    assert src.access == "samples"
+    src = TFRecordSequenceSource(d, batch_size=500, seed=0, access=access)
+    assert src.access == access
     _epoch(src)
+    _epoch(src)  # an unchanged manifest: epochs go on
     write(2, n)
     with pytest.raises(CorruptRecordError, match="written again after this source was made"):
         _epoch(src)
-    fresh = TFRecordSequenceSource(d, batch_size=500, seed=0)
+    fresh = TFRecordSequenceSource(d, batch_size=500, seed=0, access=access)
     assert sorted(set(np.concatenate([b[1].numpy() for b in fresh]).tolist())) == [2]
 
 

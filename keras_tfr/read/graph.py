@@ -108,14 +108,50 @@ class GraphReader:
         if self.service is not None:
             return self.epoch(None)
 
-        def ask() -> tuple[np.int64, np.int64]:
+        def ask() -> tuple[np.int64, np.int64, bytes]:
             epoch, start = next_epoch()
-            return np.int64(epoch), np.int64(start)
+            return np.int64(epoch), np.int64(start), self._written_again().encode()
+
+        def epoch_of(epoch: Any, start: Any, problem: Any) -> tf.data.Dataset:
+            # Raised in the graph, as the records' checks are: one line in the log.
+            written_again = tf.debugging.Assert(tf.equal(problem, ""), [problem])
+            with tf.control_dependencies([written_again]):
+                epoch = tf.identity(epoch)
+            return self.epoch(epoch).skip(start)
 
         head = tf.data.Dataset.from_tensors(np.int64(0)).map(
-            lambda _: tuple(tf.numpy_function(ask, [], [tf.int64, tf.int64], stateful=True))
+            lambda _: tuple(
+                tf.numpy_function(ask, [], [tf.int64, tf.int64, tf.string], stateful=True)
+            )
         )
-        return head.flat_map(lambda epoch, start: self.epoch(epoch).skip(start))
+        return head.flat_map(epoch_of)
+
+    def _written_again(self) -> str:
+        """At each iterator's start: "" while the data set's manifest lists the shards this
+        reader reads, else why not. TensorFlow's reader would read the shards of a data set
+        written again (``overwrite=True``) under the old manifest while their records pass
+        their checks."""
+        from keras_tfr import _io
+        from keras_tfr.manifest import MANIFEST_NAME
+
+        m = self.manifest
+        path = _io.join(m.directory, MANIFEST_NAME)
+        try:
+            now = Manifest.from_json_bytes(_io.read_bytes(path), source=path)
+        except Exception:  # gone or unreadable: being written again, or removed
+            now = None
+        listed = [(s.file, s.records, s.bytes, s.checksum) for s in m.shards]
+        if (
+            now is not None
+            and [(s.file, s.records, s.bytes, s.checksum) for s in now.shards] == listed
+        ):
+            return ""
+        return (
+            f"keras-tfr: corrupt records: the data set in {m.directory} was written again "
+            f"after this source was made ({MANIFEST_NAME} "
+            f"{'is gone' if now is None else 'lists other shards'}): make a new "
+            "TFRecordSequenceSource"
+        )
 
     def epoch(self, epoch: Any) -> tf.data.Dataset:
         """One epoch's batches. With ``on_corrupt="skip"``, dropped records would shorten
