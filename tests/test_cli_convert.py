@@ -169,6 +169,11 @@ def test_convert_into_a_data_set_needs_overwrite_and_says_the_flag(tmp_path, arr
     assert "already holds a keras-tfr data set" in err
     assert "`--overwrite`" in err and "overwrite=True" not in err, err
     assert Path(d, MANIFEST_NAME).read_bytes() == before
+    # `--resume` after a conversion that finished (a Ctrl-C at its very end): said so.
+    assert main(["convert", d, "--x", str(tmp_path / "meta.npy"), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "complete keras-tfr data set" in err and "nothing to resume" in err, err
+    assert "`--overwrite`" in err and Path(d, MANIFEST_NAME).read_bytes() == before
 
     rc = main(["convert", d, "--x", str(tmp_path / "image.npy"), "--overwrite", "--quiet"])
     assert rc == 0, capsys.readouterr().err

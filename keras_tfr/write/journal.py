@@ -59,6 +59,13 @@ def inspect_directory(directory: str, options: WriteOptions) -> DirectoryState:
     progress_path = _io.join(directory, PROGRESS_NAME)
     has_manifest = _io.exists(manifest_path)
     has_progress = _io.exists(progress_path)
+    if has_manifest and not options.overwrite and options.resume:
+        # A conversion interrupted just after it finished (a Ctrl-C at its end) is whole.
+        raise DatasetExistsError(
+            f"{directory} already holds a complete keras-tfr data set ({MANIFEST_NAME} "
+            "exists): its conversion finished, so there is nothing to resume. Read it, or "
+            "pass `overwrite=True` to write it again."
+        )
     if has_manifest and not options.overwrite:
         raise DatasetExistsError(
             f"{directory} already holds a keras-tfr data set ({MANIFEST_NAME} exists). "
