@@ -58,6 +58,7 @@ import datetime
 import json
 import numbers
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -491,6 +492,31 @@ def format_bytes(n: float) -> str:
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+
+
+def written_again(directory: str, shards: Sequence[tuple[str, int, str | None]]) -> str | None:
+    """Why the data set in ``directory`` is no longer the one whose shards are ``shards``
+    (``(file, bytes, checksum)`` each, a checksum None when unknown): it was written again
+    (``overwrite=True``) after a source read its manifest. None while its manifest.json
+    lists those shards, and when that file exists but cannot be read (nothing to tell).
+
+    Example:
+        >>> written_again(m.directory, [(s.file, s.bytes, s.checksum) for s in m.shards])
+    """
+    path = _io.join(directory, MANIFEST_NAME)
+    try:
+        now = Manifest.from_json_bytes(_io.read_bytes(path), source=path)
+    except FileNotFoundError:
+        return f"its {MANIFEST_NAME} is gone"
+    except Exception:
+        return None
+    other = f"its {MANIFEST_NAME} lists other shards"
+    if len(now.shards) != len(shards):
+        return other
+    for s, (file, size, checksum) in zip(now.shards, shards):
+        if s.file != file or s.bytes != size or checksum not in (None, s.checksum):
+            return other
+    return None
 
 
 def parse_size(value: Any, *, argument: str) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tfr.format import framing
-from keras_tfr.manifest import Manifest
+from keras_tfr.manifest import Manifest, written_again
 from keras_tfr.read import split as _distribute
 from keras_tfr.schema import (
     COUNT_KEY,
@@ -102,6 +102,7 @@ class GraphReader:
         self.report_skip = report_skip
         self.service = service
         self.fill_rows = fill_rows
+        self._shards = [(s.file, s.bytes, s.checksum) for s in manifest.shards]
 
     def dataset(self, next_epoch: Callable[[], tuple[int, int]]) -> tf.data.Dataset:
         """Batches of each new iterator's epoch, from its first batch on."""
@@ -131,26 +132,13 @@ class GraphReader:
         reader reads, else why not. TensorFlow's reader would read the shards of a data set
         written again (``overwrite=True``) under the old manifest while their records pass
         their checks."""
-        from keras_tfr import _io
-        from keras_tfr.manifest import MANIFEST_NAME
-
         m = self.manifest
-        path = _io.join(m.directory, MANIFEST_NAME)
-        try:
-            now = Manifest.from_json_bytes(_io.read_bytes(path), source=path)
-        except Exception:  # gone or unreadable: being written again, or removed
-            now = None
-        listed = [(s.file, s.records, s.bytes, s.checksum) for s in m.shards]
-        if (
-            now is not None
-            and [(s.file, s.records, s.bytes, s.checksum) for s in now.shards] == listed
-        ):
+        why = written_again(m.directory, self._shards)
+        if why is None:
             return ""
         return (
             f"keras-tfr: corrupt records: the data set in {m.directory} was written again "
-            f"after this source was made ({MANIFEST_NAME} "
-            f"{'is gone' if now is None else 'lists other shards'}): make a new "
-            "TFRecordSequenceSource"
+            f"after this source was made ({why}): make a new TFRecordSequenceSource"
         )
 
     def epoch(self, epoch: Any) -> tf.data.Dataset:

@@ -189,23 +189,6 @@ def frame_bytes(
 # --------------------------------------------------------------------------- region
 
 
-def _rewritten(path: str, size: int, checksum: str | None) -> bool:
-    """Whether the data set's manifest on disk lists shard ``path`` otherwise than a
-    source's manifest does (``size`` bytes, ``checksum``), or not at all: the data set
-    was written again (``overwrite=True``) after that source was made."""
-    from keras_tfr.manifest import Manifest
-
-    try:
-        manifest = Manifest.load(os.path.dirname(path), check_files=False)
-    except Exception:  # no manifest, or a bad one: nothing to tell
-        return False
-    name = os.path.basename(path)
-    listed = [s for s in manifest.shards if s.file == name]
-    if not listed:
-        return True
-    return listed[0].bytes != size or (checksum is not None and listed[0].checksum != checksum)
-
-
 class _Region:
     """Every shard mapped read-only, in order, into one reserved range of addresses.
 
@@ -700,13 +683,22 @@ class MappedPlan:
 
     def _damaged(self, record: int, problem: str) -> None:
         path, offset, index, n_records = self.locate(record)
-        k = int(self.shard_of[record])
-        checksum = None if self.checksums is None else self.checksums[k]
-        if _rewritten(path, int(self.shard_bytes[k]), checksum):
+        from keras_tfr.manifest import written_again
+
+        checksums: list[str | None] = [None] * len(self.files)
+        if self.checksums is not None:
+            checksums = list(self.checksums)
+        why = written_again(
+            os.path.dirname(path),
+            [
+                (os.path.basename(f), int(b), c)
+                for f, b, c in zip(self.files, self.shard_bytes, checksums)
+            ],
+        )
+        if why is not None:
             problem = (
-                "the data set was written again after this source was made (its "
-                "manifest.json lists another shard of that name, or none): make a new "
-                f"TFRecordSequenceSource. This source's view of that shard: {problem}"
+                f"the data set was written again after this source was made ({why}): make "
+                f"a new TFRecordSequenceSource. This source's view of that shard: {problem}"
             )
         if self.skip is None:
             raise ValueError(
