@@ -217,7 +217,9 @@ if sys.argv[3] == "grandchild":  # a process of its own that ignores the signals
         "signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
     (here / f"grandchild-{sys.argv[2]}").write_text(str(grand.pid))
-(here / f"pid-{sys.argv[2]}").write_text(str(os.getpid()))
+# Written whole, then renamed: the test polls for the file and must not read it empty.
+(here / f"tmp-{sys.argv[2]}").write_text(str(os.getpid()))
+os.replace(here / f"tmp-{sys.argv[2]}", here / f"pid-{sys.argv[2]}")
 print("ready", flush=True)
 try:
     time.sleep(120)
