@@ -40,7 +40,10 @@ class ManifestError(KerasTFRError, ValueError):
 
 
 class ShardError(KerasTFRError, OSError):
-    """A shard named in the manifest is missing or has the wrong size or checksum.
+    """A shard named in the manifest is missing or has the wrong size.
+
+    (A shard of the right size with other bytes is found by its records' checks or by
+    `verify`'s checksums: see `CorruptRecordError`.)
 
     Example:
         >>> os.remove("data/train/shard-00001.tfrecord")

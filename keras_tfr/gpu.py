@@ -289,6 +289,7 @@ def limit_gpu_memory(
         A `GpuMemoryLimit`, with ``devices``, ``limit_mb``, ``peak_mb`` and ``report()``.
 
     Raises:
+        TypeError: an argument of the wrong type (``megabytes="1024"``, ``growth=1``).
         ValueError: the arguments or the environment variable are invalid.
         GpuMemoryError: the framework already started on the GPU with another setting.
 

@@ -177,6 +177,35 @@ def test_block_mode_reshuffles_every_epoch_and_reads_every_sample_once(epochs_da
     assert not np.array_equal(_labels(epochs[0]), np.arange(N)), "shuffled at all"
 
 
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        (dict(seed=11), True),
+        (dict(seed=None), False),  # shuffled without a seed: the fastest order
+        (dict(seed=None, shuffle=False), True),
+        (dict(seed=None, deterministic=True), True),
+        (dict(seed=11, deterministic=False), False),
+    ],
+)
+def test_block_mode_deterministic_default(epochs_data, monkeypatch, kw, expected):
+    """The docstring: ``deterministic`` defaults to True unless ``shuffle=True`` without a
+    ``seed``; given, it is what the reader's parallel maps use."""
+    from keras_tfr.read import graph
+
+    seen = []
+    original = graph.GraphReader.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(graph.GraphReader, "__init__", spy)
+    d, _ = epochs_data
+    src = TFRecordSequenceSource(d, batch_size=8, access="blocks", **kw)
+    assert sum(len(by) for _, by in src) == N
+    assert seen and set(seen) == {expected}, seen
+
+
 def test_block_mode_epoch_order_depends_only_on_seed_and_epoch(epochs_data):
     d, _ = epochs_data
     a = _blocks(d)

@@ -114,6 +114,39 @@ def test_info_names_the_layout(tmp_path):
     assert "order       as given" in r.stdout
 
 
+def test_info_lists_max_shards_rows_and_says_how_many_more(tmp_path, capsys):
+    """docs/cli.md: ``--max-shards`` rows (default 50), 0 for all, then "... and K more"."""
+    from keras_tfr import ArraysToRecords
+    from keras_tfr.cli import main
+
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(
+        np.arange(60 * 4, dtype=np.float32).reshape(60, 4),
+        None,
+        d,
+        samples_per_record=1,
+        min_shards=60,
+        verbose=0,
+    )
+    names = [s.file for s in m.shards]
+    assert len(names) == 60
+
+    def rows(*flags):
+        assert main(["info", d, *flags]) == 0
+        out = capsys.readouterr().out
+        return [n for n in names if f"  {n} " in out], out
+
+    listed, out = rows()
+    assert listed == names[:50] and "  ... and 10 more (--max-shards 0 lists all)" in out
+    listed, out = rows("--max-shards", "2")
+    assert listed == names[:2] and "  ... and 58 more" in out
+    for flags in (("--max-shards", "0"), ("--max-shards", "60")):
+        listed, out = rows(*flags)
+        assert listed == names and "more" not in out
+    assert main(["info", d, "--max-shards", "-1"]) == 2
+    assert "`--max-shards` >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_convert_info_verify_bench(tmp_path):
     rng = np.random.default_rng(0)

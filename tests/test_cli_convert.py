@@ -131,6 +131,8 @@ def test_convert_refuses_a_name_given_twice(tmp_path, arrays, capsys):
         (["--min-shards", "0"], "Expected `--min-shards` to be a positive int"),
         (["--record-size", "-1"], "`--record-size`"),
         (["--sample-weight", "W"], "Expected `--y` with `--sample-weight`"),
+        # Shards too small for one sample: the size is named by its flag, not `shard_size=`.
+        (["--shard-size", "20"], "Received: --shard-size 20 bytes."),
     ],
 )
 def test_convert_errors_name_the_flags(tmp_path, arrays, capsys, flags, said):
@@ -139,6 +141,7 @@ def test_convert_errors_name_the_flags(tmp_path, arrays, capsys, flags, said):
     assert main(["convert", d, "--x", str(tmp_path / "image.npy"), *flags, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert said in err, err
+    assert "shard_size" not in err and "min_shards" not in err and "record_size" not in err
     assert not os.path.exists(d)
 
 
@@ -549,6 +552,34 @@ def test_serve_gives_up_on_a_dispatcher_that_does_not_answer():
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"the dispatcher at 127.0.0.1:{port} did not answer; no worker" in proc.stderr
     assert "worker:" not in proc.stdout
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_waiting_for_its_dispatcher_says_so_and_stops_on_a_signal_with_status_1(sig):
+    """docs/cli.md: ``--dispatcher`` says it is waiting (after 10 s; 0.1 s here), and
+    Ctrl-C or SIGTERM then end it with status 1 and no worker started."""
+    from keras_tfr.cli import serve
+
+    assert serve._WAIT_NOTICE_SECONDS == 10 and serve._STOP_SECONDS == 10  # as documented
+    (port,) = _free_ports(1)  # nothing listens there
+    code = (
+        "import sys\nfrom keras_tfr.cli import main, serve\nserve._WAIT_NOTICE_SECONDS = 0.1\n"
+        f"sys.exit(main(['serve', '--dispatcher', '127.0.0.1:{port}']))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stderr.readline()
+        assert line.strip() == f"waiting for the dispatcher at 127.0.0.1:{port}...", line
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert f"the dispatcher at 127.0.0.1:{port} did not answer; no worker was started" in err
+    assert "worker:" not in out
 
 
 def test_convert_tfrecords_errors_name_the_command_line(tmp_path, capsys):

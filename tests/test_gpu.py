@@ -177,6 +177,25 @@ def test_import_imports_nothing_heavy_without_a_cap_and_checks_a_cap():
 
 
 @pytest.mark.subprocess
+def test_both_environment_variables_are_a_value_error_at_import():
+    """docs/gpu.md: "Setting both variables is a `ValueError` at import"."""
+    both = _run(
+        """
+        import keras_tfr
+        print("IMPORTED")
+        """,
+        **{ENV_MEGABYTES: "512", ENV_FRACTION: "0.5"},
+    )
+    assert both.returncode == 1 and "IMPORTED" not in both.stdout
+    assert 'File "<string>", line 2, in <module>' in both.stderr  # `import keras_tfr`
+    assert (
+        "ValueError: Expected only one of the environment variables KERAS_TFR_GPU_MEMORY_MB "
+        "and KERAS_TFR_GPU_MEMORY_FRACTION. Received: KERAS_TFR_GPU_MEMORY_MB='512', "
+        "KERAS_TFR_GPU_MEMORY_FRACTION='0.5'"
+    ) in both.stderr
+
+
+@pytest.mark.subprocess
 def test_launcher_caps_each_child_through_import():
     import io
 
@@ -240,6 +259,40 @@ def test_backend_from_keras_json_in_the_home_folder(monkeypatch, tmp_path):
     (tmp_path / ".keras").mkdir()
     (tmp_path / ".keras" / "keras.json").write_text('{"backend": "torch"}')
     assert gpu_module._keras_backend_from_settings() == "torch"
+
+
+def test_backend_from_keras_json_in_tmp_when_the_home_folder_is_not_writable(monkeypatch, tmp_path):
+    """docs/gpu.md: the `keras.json` in `~/.keras` or, when the home folder is not
+    writable, in `/tmp/.keras` (as Keras decides). For root a read-only folder is still
+    writable, so `os.access` is made to say no; and the `/tmp/.keras/keras.json` read is
+    made up rather than written outside `tmp_path`."""
+    import io
+
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.delenv("KERAS_HOME", raising=False)
+    home = tmp_path / "home"
+    (home / ".keras").mkdir(parents=True)
+    (home / ".keras" / "keras.json").write_text('{"backend": "torch"}')  # not to be read
+    monkeypatch.setenv("HOME", str(home))
+    access = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **kw: (
+            False if str(path) == str(home) and mode & os.W_OK else access(path, mode, **kw)
+        ),
+    )
+    opened = []
+
+    def fake_open(path, *args, **kwargs):
+        opened.append(path)
+        if path == "/tmp/.keras/keras.json":
+            return io.StringIO('{"backend": "jax"}')
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(gpu_module, "open", fake_open, raising=False)
+    assert gpu_module._keras_backend_from_settings() == "jax"
+    assert opened == ["/tmp/.keras/keras.json"]
 
 
 def test_backend_asks_keras_once_imported(keras_settings, monkeypatch):
@@ -352,6 +405,43 @@ def test_environment_cap_follows_the_backend_the_program_chooses(
     assert out["limit"] == [expected, 512, "no-gpu"]  # TensorFlow sees no GPU here
     assert out["applied_first"] is True  # by the first trigger, before `import keras`
     assert out.get("hidden", "no-gpu") == "no-gpu"
+
+
+@pytest.mark.subprocess
+def test_an_error_in_applying_the_waiting_cap_is_raised_by_the_import_that_applied_it(tmp_path):
+    """docs/gpu.md: "An error in applying it ... is raised by the import statement that
+    applied it". Keras' numpy backend is one no cap applies to: `import keras_tfr`
+    succeeds (the cap waits for Keras), and `import keras` raises the cap's error."""
+    code = textwrap.dedent(
+        """
+        import json, traceback
+        import keras_tfr
+        from keras_tfr import gpu
+        out = {"waiting": gpu._WhenImported._cap}
+        try:
+            import keras
+        except ValueError as e:
+            out["error"] = str(e)
+            out["line"] = traceback.extract_tb(e.__traceback__)[0].lineno
+        out["cap_after"] = gpu._WhenImported._cap
+        print("RESULT " + json.dumps(out))
+        """
+    )
+    result = _run(
+        code,
+        KERAS_BACKEND="numpy",
+        KERAS_HOME=str(tmp_path),
+        JAX_PLATFORMS="cpu",
+        **{ENV_MEGABYTES: "512"},
+    )
+    out = result_of(result)
+    assert out["waiting"] == [512, None]
+    assert out.get("error") == (
+        "limit_gpu_memory supports the Keras backends 'tensorflow', 'jax' and 'torch'. "
+        "Received backend: 'numpy'"
+    ), result.stderr
+    assert code.splitlines()[out["line"] - 1].strip() == "import keras"
+    assert out["cap_after"] is None  # it was tried once, not left waiting
 
 
 # -- TensorFlow refuses changes once started: its real behaviour, our translation --------

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from keras_tfr import ArraysToRecords, CorruptRecordError, TFRecordSequenceSource
 from keras_tfr.errors import ShardError
-from keras_tfr.manifest import Manifest
+from keras_tfr.manifest import MANIFEST_NAME, Manifest
 from keras_tfr.read import mapped
 
 # The tf.data pipeline of sample mode, as `fit` reads it: every eager iterator here is
@@ -373,6 +373,24 @@ def test_a_data_set_written_again_under_a_source_is_named_so(tmp_path, n, access
     assert sorted(set(np.concatenate([b[1].numpy() for b in fresh]).tolist())) == [2]
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_a_data_set_whose_manifest_is_gone_under_a_source_is_named_so(tmp_path, access):
+    """docs/reliability.md: block mode raises "written again" at the next epoch when
+    manifest.json is gone; sample mode when it then finds a damaged record (it reads
+    the shards it mapped, and reads them on while they are sound)."""
+    d = str(tmp_path / "ds")
+    x = np.arange(5_000 * 64, dtype=np.float32).reshape(5_000, 64)
+    m = ArraysToRecords.from_arrays(x, np.arange(5_000), d, record_size="64KB", verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=500, seed=0, access=access)
+    _epoch(src)
+    os.remove(os.path.join(d, MANIFEST_NAME))
+    if access == "samples":
+        _epoch(src)  # the shards are sound: sample mode reads on
+        _flip_in_place(m.shard_path(m.shards[0]), 40)
+    with pytest.raises(CorruptRecordError, match="written again after this source was made"):
+        _epoch(src)
+
+
 @pytest.mark.parametrize("verify", ["first_read", "every_epoch"])
 def test_shard_replaced_by_a_copy_of_another_is_refused(data, caplog, verify):
     """Every record of the copy passes its CRC and layout checks; the shard's checksum
@@ -719,6 +737,7 @@ def test_units_and_prefetch_are_as_the_readme_says(tmp_path, monkeypatch):
     assert "2 MB of batches (2 to 32 batches) are prefetched" in text
     assert source_module._PREFETCH_BYTES == 2 << 20
     assert source_module._PREFETCH_BATCHES == (2, 32)
+    assert "checked by up to 8 threads at once" in text and mapped._CHECK_THREADS == 8
 
     n = 20_000
     x = np.random.default_rng(1).standard_normal((n, 64)).astype(np.float32)

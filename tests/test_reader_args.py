@@ -72,6 +72,11 @@ BAD_ARGS = [
     (dict(shuffle_window=1.5), TypeError, "`shuffle_window`"),
     (dict(num_parallel_reads=0), ValueError, "`num_parallel_reads`"),
     (dict(num_parallel_reads=-2), ValueError, "`num_parallel_reads`"),
+    (dict(shuffle=1), TypeError, "`shuffle`"),
+    (dict(shuffle="yes"), TypeError, "`shuffle`"),
+    (dict(drop_remainder=1), TypeError, "`drop_remainder`"),
+    (dict(deterministic="no"), TypeError, "`deterministic`"),
+    (dict(check_files=0), TypeError, "`check_files`"),
 ]
 IDS = [",".join(f"{k}={v!r}" for k, v in kw.items()) for kw, _, _ in BAD_ARGS]
 
@@ -84,6 +89,24 @@ def test_bad_argument_is_refused_naming_it(small_dir, kwargs, error, named):
     # The same check, in the same words, where the options are built on their own.
     with pytest.raises(error, match=re.escape(named)):
         SourceOptions(small_dir, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, named",
+    [
+        (dict(ragged="pad2"), ValueError, "`ragged` to be 'pad' or 'ragged'"),
+        (dict(ragged=None), ValueError, "`ragged` to be 'pad' or 'ragged'"),
+        (dict(decode=[1]), TypeError, "`decode` to be a dict"),
+        (dict(decode={"nope": len}), ValueError, "keys of `decode` to be feature keys"),
+        (dict(decode={"x": 3}), TypeError, "`decode['x']` to be callable"),
+    ],
+)
+def test_ragged_and_decode_are_checked_against_the_data_set(small_dir, kwargs, error, named):
+    """docs/existing_data.md: ``ragged`` is "pad" or "ragged"; ``decode`` maps the data
+    set's feature keys to functions (checked once the manifest is read)."""
+    with pytest.raises(error, match=re.escape(named)) as info:
+        TFRecordSequenceSource(small_dir, **kwargs)
+    assert "Received" in str(info.value)
 
 
 @pytest.mark.parametrize("kwargs, error, named", BAD_ARGS, ids=IDS)

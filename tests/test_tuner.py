@@ -331,6 +331,76 @@ def test_a_plain_dataset_is_told_that_the_batch_size_has_no_effect(data_dirs, tm
     assert len(said) == 1 and "TFRecordSequenceSource" in said[0].getMessage()
 
 
+def test_memory_goes_back_to_the_system_before_each_trial_trains(sources, tmp_path, monkeypatch):
+    """docs/tuning.md, "Memory across trials": `TFRecordHyperModel` drops each trial's
+    pipelines and, on Linux, hands their freed memory back to the system (glibc's
+    `malloc_trim`) before the next trial starts."""
+    import ctypes
+    import platform
+    import weakref
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    import keras_tuner
+
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    events: list = []
+    pipelines: list = []  # weak references to each trial's training and validation sources
+
+    class Libc:
+        """The process's own symbols (``CDLL(None)``), with `malloc_trim` recorded."""
+
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+        def malloc_trim(self, pad):
+            events.append(("malloc_trim", pad, [ref() is None for ref in pipelines]))
+            return self._lib.malloc_trim(pad)
+
+    real_cdll = ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):
+        lib = real_cdll(name, *args, **kwargs)
+        return Libc(lib) if name is None else lib
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    build = _build_fn()
+
+    def recording_build(hp):
+        model = build(hp)
+        events.append(("build",))
+        fit = model.fit
+
+        def recording_fit(x=None, *args, **kwargs):
+            events.append(("fit",))
+            pipelines.extend([weakref.ref(x), weakref.ref(kwargs["validation_data"])])
+            return fit(x, *args, **kwargs)
+
+        model.fit = recording_fit
+        return model
+
+    train, val = sources
+    tuner = _tuner(
+        keras_tuner.GridSearch,
+        TFRecordHyperModel(recording_build, batch_size=[25, 50]),
+        tmp_path,
+        max_trials=2,
+    )
+    tuner.search(train, validation_data=val, epochs=1, verbose=0)
+    # keras-tuner builds once more before the trials to learn the search space.
+    assert events[0] == ("build",)
+    trials = events[1:]
+    assert [e[0] for e in trials] == ["build", "malloc_trim", "fit"] * 2, events
+    # Each trial trims (pad 0) before it trains; by the second trial's trim the first
+    # trial's re-batched sources are garbage already.
+    assert trials[1] == ("malloc_trim", 0, [])
+    assert trials[4] == ("malloc_trim", 0, [True, True])
+
+
 def test_rebatch(sources):
     from keras_tfr.tuner import rebatch
 

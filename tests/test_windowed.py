@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,9 @@ def test_a_window_covering_the_data_is_the_plain_order_and_a_window_is_capped():
         window_records=10**9,
     )
     assert big.window_records == WINDOW_SAMPLES
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "at most 4,194,304 samples" in " ".join(readme.split())
+    assert WINDOW_SAMPLES == 4_194_304
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,15 @@ from keras_tfr.read.order import WRITE_ORDER, Permutation
 
 
 def _order(n, seed):
-    return Permutation(n, key=(seed, WRITE_ORDER))(np.arange(n))
+    # The key as the README gives the on-disk format, (shuffle_seed, 3): a literal, not
+    # WRITE_ORDER, so that changing the constant (and every data set's order) fails here.
+    return Permutation(n, key=(seed, 3))(np.arange(n))
+
+
+def test_the_write_order_key_is_the_one_the_readme_gives():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "`Permutation(total_samples, key=(shuffle_seed, 3))(i)`" in readme
+    assert WRITE_ORDER == 3
 
 
 def _read(d):

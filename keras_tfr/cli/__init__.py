@@ -106,12 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
     """The subcommand's options by the Python argument they feed: `` `dest` `` ->
-    `` `--flag` `` (its long form), for `with_flags`."""
+    `` `--flag` `` (its long form), and ``Received: dest=`` -> ``Received: --flag``, for
+    `with_flags`."""
     flags = {}
     for action in parser._actions:
         names = [o for o in action.option_strings if o.startswith("--")] or action.option_strings
         if names and action.dest not in ("help", argparse.SUPPRESS):
             flags[f"`{action.dest}`"] = f"`{names[0]}`"
+            flags[f"Received: {action.dest}="] = f"Received: {names[0]} "
     return flags
 
 

@@ -235,6 +235,8 @@ def _layout(m: Any) -> str:
 def run_info(args: argparse.Namespace) -> int:
     from keras_tfr.manifest import Manifest
 
+    if args.max_shards < 0:
+        raise ValueError(f"Expected `--max-shards` >= 0 (0: all). Received: {args.max_shards}")
     m = Manifest.load(args.directory, check_files=False)
     states = [_shard_state(m, shard) for shard in m.shards]
     problems = sum(state != "ok" for state in states)
@@ -271,15 +273,13 @@ def run_info(args: argparse.Namespace) -> int:
         out.append(f"metadata    {json.dumps(m.user_metadata)}")
     out.append("shards:")
     out.append(f"  {'file':28} {'samples':>10} {'records':>9} {'bytes':>12}  checksum       state")
-    limit = args.max_shards if args.max_shards > 0 else len(m.shards)
-    for shard, state in zip(m.shards, states):
-        if limit > 0:
-            out.append(
-                f"  {shard.file:28} {shard.samples:>10} {shard.records:>9} {shard.bytes:>12}  "
-                f"{shard.checksum}  {state}"
-            )
-            limit -= 1
-    if len(m.shards) > max(args.max_shards, 0) and args.max_shards > 0:
+    limit = args.max_shards or len(m.shards)
+    for shard, state in list(zip(m.shards, states))[:limit]:
+        out.append(
+            f"  {shard.file:28} {shard.samples:>10} {shard.records:>9} {shard.bytes:>12}  "
+            f"{shard.checksum}  {state}"
+        )
+    if len(m.shards) > limit:
         out.append(f"  ... and {len(m.shards) - args.max_shards} more (--max-shards 0 lists all)")
     print("\n".join(out))
     return _shard_problems(problems)

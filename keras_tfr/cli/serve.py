@@ -112,6 +112,12 @@ def _take_stop_signals() -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM stops it as Ctrl-C does, from the start (also while `--dispatcher` waits).
+    signal.signal(signal.SIGTERM, _on_term)
+
+
+def _on_term(signum: int, frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,10 +164,6 @@ def run(args: argparse.Namespace) -> int:
     if cluster.target is not None:
         print(f'read with: TFRecordSequenceSource(..., service="{cluster.target}")', flush=True)
 
-    def on_term(signum: int, frame: FrameType | None) -> NoReturn:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         # Inside the `try`: a Ctrl-C right after this line still stops the servers.
         print("serving; press Ctrl-C to stop", flush=True)
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
         stopped = _stop(cluster.stop, _STOP_SECONDS)
     if not stopped:
         print(
