@@ -249,7 +249,7 @@ def chart(results: dict[str, Any], path: str) -> bool:
     panels = [
         (g, s)
         for g in ("read", "fit", "write")
-        for s in ("small", "large")
+        for s in results["shapes"]
         if any(r["group"] == g and r["shape"] == s for r in results["rows"])
     ]
     if not panels:
