@@ -64,10 +64,14 @@ def test_a_closed_stdout_ends_a_command_quietly(make_dataset, small_xy):
     141, as a shell reports a process ended by SIGPIPE, and prints no error."""
     d = make_dataset(*small_xy)
     code = "import sys; from keras_tfr.cli import main; sys.exit(main(['info', sys.argv[1]]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, d], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    proc.stdout.close()  # before anything is printed
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the command prints anything
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, d], stdout=write_end, stderr=subprocess.PIPE
+        )
+    finally:
+        os.close(write_end)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "error" not in err and "Broken pipe" not in err, err

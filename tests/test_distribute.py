@@ -431,10 +431,16 @@ _TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while they are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _run_workers(tmp_path, mode, directory, batch, tf_configs):
@@ -479,7 +485,7 @@ def _per_epoch(result):
 @pytest.mark.subprocess
 def test_multi_worker_mirrored_strategy_two_workers(tmp_path, ids_dataset):
     batch = 8
-    ports = [_free_port(), _free_port()]
+    ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     configs = [{"cluster": cluster, "task": {"type": "worker", "index": i}} for i in range(2)]
     results = _run_workers(tmp_path, "mwms", ids_dataset, batch, configs)

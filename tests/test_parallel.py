@@ -217,11 +217,11 @@ if sys.argv[3] == "grandchild":  # a process of its own that ignores the signals
         "signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
     (here / f"grandchild-{sys.argv[2]}").write_text(str(grand.pid))
-# Written whole, then renamed: the test polls for the file and must not read it empty.
-(here / f"tmp-{sys.argv[2]}").write_text(str(os.getpid()))
-os.replace(here / f"tmp-{sys.argv[2]}", here / f"pid-{sys.argv[2]}")
-print("ready", flush=True)
-try:
+try:  # from "ready" on: the test signals once every pid file is there
+    print("ready", flush=True)
+    # Written whole, then renamed: the test polls for the file and must not read it empty.
+    (here / f"tmp-{sys.argv[2]}").write_text(str(os.getpid()))
+    os.replace(here / f"tmp-{sys.argv[2]}", here / f"pid-{sys.argv[2]}")
     time.sleep(120)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
@@ -293,7 +293,13 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path):
     proc, pids = _start_launcher(tmp_path, 2, behaviour="ignore", grace="60")
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)
+    # The second Ctrl-C once the launcher has taken the first (two signals close
+    # together could reach its handler as one).
+    said = ""
+    while "SIGINT received" not in said:
+        line = proc.stderr.readline()
+        assert line, "the launcher ended before the second Ctrl-C"
+        said += line
     assert proc.poll() is None, "still waiting for the children"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
