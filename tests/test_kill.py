@@ -133,3 +133,80 @@ def test_sigkill_mid_conversion_then_resume_bit_for_bit(tmp_path):
     ys = np.concatenate([by.numpy() for _, by in src])
     assert np.array_equal(xs.view(np.uint32), np.asarray(x).view(np.uint32))
     assert np.array_equal(ys, np.arange(N))
+
+
+OVERWRITE_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import keras_tfr._io as io
+    from keras_tfr import ArraysToRecords
+
+    remove, removed = io.remove, []
+
+    def killed_mid_way(path, missing_ok=True):
+        remove(path, missing_ok)
+        removed.append(os.path.basename(path))
+        if len(removed) == int(sys.argv[3]):
+            print(" ".join(removed), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # a kill while the old files go
+
+    io.remove = killed_mid_way
+    x = np.load(sys.argv[1])
+    ArraysToRecords.from_arrays(x, np.arange(len(x)), sys.argv[2], overwrite=True,
+                                samples_per_record=8, shard_size="8KB", verbose=0)
+    print("finished")  # the test fails if the child got this far
+    """
+)
+
+
+class _FailsAt:
+    """An array whose rows from `limit` on cannot be read (a disk that fails mid-way)."""
+
+    def __init__(self, a, limit):
+        self.a, self.limit, self.shape, self.dtype = a, limit, a.shape, a.dtype
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, s):
+        if (s.stop or len(self.a)) > self.limit:
+            raise OSError("the input failed")
+        return self.a[s]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("kill_after", [2, 3, 5])
+def test_overwrite_of_an_unfinished_conversion_killed_mid_way_never_resumes_a_mix(
+    tmp_path, kill_after
+):
+    """docs/reliability.md: an interrupted overwrite never leaves a mix of old and new.
+    The old journal went after the old shards: a resume then kept the old conversion's
+    shards that were left and wrote the new data after them."""
+    rng = np.random.default_rng(3)
+    old = rng.standard_normal((N, FEATURES)).astype(np.float32)
+    new = old + 1
+    d = str(tmp_path / "ds")
+    with pytest.raises(OSError, match="the input failed"):
+        ArraysToRecords.from_arrays(_FailsAt(old, N // 2), np.arange(N), d, **LAYOUT)
+    kept = _journal_shards(d)
+    assert len(kept) >= kill_after and not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    np.save(tmp_path / "new.npy", new)
+    child = subprocess.run(
+        [sys.executable, "-c", OVERWRITE_CHILD, str(tmp_path / "new.npy"), d, str(kill_after)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    removed = child.stdout.split()
+    assert removed[:2] == [MANIFEST_NAME, PROGRESS_NAME], removed
+    old_left = [s["file"] for s in kept if s["file"] not in removed]
+    assert old_left  # the kill came while old shards were still there
+    with pytest.raises(IncompleteDatasetError, match="no manifest or journal lists"):
+        ArraysToRecords.from_arrays(new, np.arange(N), d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(new, np.arange(N), d, overwrite=True, **LAYOUT)
+    bx, by = zip(*TFRecordSequenceSource(d, batch_size=512, shuffle=False).as_numpy_iterator())
+    assert np.concatenate(bx).tobytes() == new.tobytes() and np.array_equal(
+        np.concatenate(by), np.arange(N)
+    )

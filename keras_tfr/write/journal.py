@@ -115,9 +115,12 @@ def _old_files(directory: str, has_manifest: bool) -> list[str]:
 
 
 def remove_old(directory: str, old_files: list[str]) -> None:
-    """Removes a replaced data set, its manifest first: from then on no reader takes the
-    directory for a data set."""
-    for name in [MANIFEST_NAME, *old_files]:
+    """Removes a replaced data set, its manifest first (from then on no reader takes the
+    directory for a data set), then an unfinished conversion's journal (from then on no
+    resume keeps its shards: a writer killed here leaves stray shards, refused), then
+    the shards."""
+    first = [MANIFEST_NAME, PROGRESS_NAME]
+    for name in [*first, *(n for n in old_files if n not in first)]:
         _io.remove(_io.join(directory, name))
 
 
