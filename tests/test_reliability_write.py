@@ -735,6 +735,53 @@ def test_resume_with_other_input_is_refused(tmp_path):
     assert verify(d).ok
 
 
+def test_resume_with_every_shard_written_still_checks_input_and_options(tmp_path, monkeypatch):
+    """A writer killed while it wrote the manifest leaves every shard and the journal:
+    resume then had nothing left to write and took any input (another dtype, no `y`)
+    and any options (`compression="GZIP"` gave an uncompressed data set), writing the
+    old schema's manifest. Other input, and options that would write other records, are
+    refused, and the same ones finish it."""
+    from keras_tfr.manifest import Manifest
+
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((2000, 64)).astype(np.float32), np.arange(2000)
+    layout = dict(samples_per_record=64, shard_size="64KB", verbose=0)  # on a lattice
+    with monkeypatch.context() as m:
+        m.setattr(
+            Manifest, "save", lambda self, directory: (_ for _ in ()).throw(KeyboardInterrupt)
+        )
+        with pytest.raises(KeyboardInterrupt):
+            ArraysToRecords.from_arrays(x, y, d, **layout)
+    journal = json.loads(Path(d, PROGRESS_NAME).read_text())
+    assert sum(s["samples"] for s in journal["shards"]) == len(x)  # every sample written
+    assert "lattice" in journal["config"]  # so that lattice=False asks for other records
+    other_input = [
+        ((x.astype(np.float64), y), {}, "dtype float32"),
+        ((x[:, :8], y), {}, "per-sample shape"),
+        ((x,), {}, "structure"),
+        (([(x.astype(np.float64), y)],), {}, "dtype float32"),  # an iterable of batches
+    ]
+    other_options = [
+        ((x, y), dict(compression="GZIP"), "these options give compression=GZIP"),
+        ((x, y), dict(samples_per_record=32), "64 samples per record"),
+        ((x, y), dict(lattice=False), "on a lattice"),
+    ]
+    for args, kw, said in other_input + other_options:
+        options = {**layout, **kw}
+        with pytest.raises(ValueError, match="was begun with") as e:
+            if len(args) == 1:
+                ArraysToRecords.from_arrays(args[0], directory=d, resume=True, **options)
+            else:
+                ArraysToRecords.from_arrays(*args, d, resume=True, **options)
+        assert said in str(e.value), (kw, str(e.value))
+        assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
+    assert json.loads(Path(d, PROGRESS_NAME).read_text()) == journal  # nothing touched
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **layout)
+    ArraysToRecords.from_arrays(x, y, ref, **layout)
+    _assert_same_dataset(d, ref)
+
+
 def test_damaged_journal_is_refused_with_a_way_out(tmp_path):
     d = str(tmp_path / "ds")
     x, y = _data()

@@ -377,6 +377,8 @@ def write_arrays(
         plan_layout(batch, options)
     with make(directory, dataclasses.replace(options, expected_samples=batch.n)) as writer:
         start = writer.resumed_samples
+        if writer._layout is not None:  # the layout of the journal of the conversion resumed
+            _check_resumed(writer, batch)
         if start > batch.n:
             raise ValueError(
                 f"The unfinished conversion in {directory} already holds {start} samples, "
@@ -396,6 +398,39 @@ def write_arrays(
             _write_shuffled(writer, batch, start, options)
     assert writer.manifest is not None
     return writer.manifest
+
+
+def _check_resumed(writer: RecordWriter, batch: Batch) -> None:
+    """Refuses to resume a conversion with other input than it began with (its journal's
+    layout), or with options that would write other records: another `compression`, or
+    (fixed-size data) other samples per record or lattice (`shard_size`, `record_size`,
+    `samples_per_record`, `lattice`). The data set would hold two inputs, or not be what
+    the options ask for. ``batch`` is the whole input (arrays) or its first batch (an
+    iterable). Shards per file (`min_shards`, `expected_samples`) stay the journal's."""
+    layout = writer._layout
+    assert layout is not None
+    begun = f"The unfinished conversion in {writer.directory} was begun with"
+    try:
+        inputs.check_same_schema((layout.structure, layout.specs), batch)
+    except ValueError as e:
+        raise ValueError(
+            f"{begun} other input: {e}. Resume it with the same input, or start over with "
+            "`overwrite=True`."
+        ) from None
+    planned = plan_layout(batch, dataclasses.replace(writer.options, shuffle_seed=None))
+    fixed = all(s.kind == "fixed" for s in layout.specs)
+
+    def records(lay: Layout) -> str:
+        kind = "on a lattice" if lay.lattice is not None else "plain"
+        sized = f"{lay.samples_per_record} samples per record ({lay.record_bytes} bytes, {kind})"
+        return f"compression={lay.compression}" + (f", {sized}" if fixed else "")
+
+    if records(planned) != records(layout) or (fixed and planned.lattice != layout.lattice):
+        raise ValueError(
+            f"{begun} {records(layout)}; these options give {records(planned)}. Resume it "
+            "with the `compression`, `shard_size`, `record_size`, `samples_per_record` and "
+            "`lattice` it began with, or start over with `overwrite=True`."
+        )
 
 
 def _write_shuffled(writer: RecordWriter, batch: Batch, start: int, options: WriteOptions) -> None:
@@ -439,7 +474,7 @@ def _write_iterable(
     options = dataclasses.replace(options, min_shards=1 if min_shards is None else min_shards)
     with make(directory, options) as writer:
         skip = writer.resumed_samples
-        told = False
+        told = checked = False
         for item in batches:
             if not told and isinstance(item, list) and 2 <= len(item) <= 3:
                 told = True
@@ -454,6 +489,10 @@ def _write_iterable(
             n = inputs.batch_len(parts)
             if n == 0:
                 continue  # an empty batch (a chunked reader's empty tail) holds nothing
+            if writer._layout is not None and not checked:  # resumed: against its journal
+                checked = True
+                x_, y_, w_ = (*parts, None, None)[:3]
+                _check_resumed(writer, validate_batch(x_, y_, w_, writer.variable_length))
             if skip:
                 if n <= skip:
                     skip -= n
