@@ -158,15 +158,22 @@ def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
     every shard it lists and a journal damaged by a crash is reported.
     """
     tmp = f"{path}.tmp-{os.getpid()}"
-    if is_remote(path):
-        with _os_errors(tmp), _gfile().GFile(tmp, "wb") as f:
-            f.write(data)
-    else:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+    try:
+        if is_remote(path):
+            with _os_errors(tmp), _gfile().GFile(tmp, "wb") as f:
+                f.write(data)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            remove(tmp)  # a disk full, say: no partial file left beside `path`
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            raise type(e)(e.errno, f"Could not write {path}: {e.strerror}") from e
+        raise
     rename(tmp, path)
     if durable and not is_remote(path):
         _fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -668,6 +668,20 @@ def test_resume_keeps_complete_shards_and_finishes_bit_for_bit(tmp_path):
     assert _dir_files(d) == sorted([MANIFEST_NAME] + [s.file for s in m.shards])
 
 
+def test_resume_stores_the_resuming_calls_metadata(tmp_path):
+    """docs/reliability.md: the manifest's `user_metadata` is the resuming call's."""
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    with (
+        pytest.raises(KeyboardInterrupt),
+        ArraysToRecords(d, expected_samples=len(x), metadata={"run": 1}, **LAYOUT) as w,
+    ):
+        w.write(x[:100], y[:100])
+        raise KeyboardInterrupt
+    m = ArraysToRecords.from_arrays(x, y, d, resume=True, metadata={"run": 2}, **LAYOUT)
+    assert m.user_metadata == {"run": 2} == Manifest.load(d).user_metadata
+
+
 def test_resume_rewrites_a_damaged_shard(tmp_path, caplog):
     d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
     x, y = _data()
@@ -831,3 +845,63 @@ def test_caller_may_reuse_its_arrays_once_write_returns(tmp_path, compression):
     got = list(TFRecordSequenceSource(d, batch_size=64, shuffle=False))
     assert np.array_equal(np.concatenate([bx.numpy() for bx, _ in got]), np.concatenate(expected))
     assert np.array_equal(np.concatenate([by.numpy() for _, by in got]), np.arange(6 * 64))
+
+
+# ------------------------------------------------------------------ a full disk
+
+_FILE_SIZE_LIMIT = """
+import json, os, resource, sys
+import numpy as np
+from keras_tfr import ArraysToRecords
+
+limit, d, shard_size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+x = np.arange(400, dtype=np.float32).reshape(400, 1)
+# Writes past `limit` bytes fail with EFBIG (Python ignores SIGXFSZ), as on a full disk.
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    ArraysToRecords.from_arrays(x, np.arange(400), d, samples_per_record=1,
+                                shard_size=shard_size, verbose=0)
+    print(json.dumps(None))
+except OSError as e:
+    print(json.dumps([type(e).__name__, e.errno, str(e)]))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "limit, shard_size, failed, kept",
+    [
+        (2000, 100_000, "shard-00000.tfrecord.tmp", 0),  # the first shard cannot be written
+        (400, 300, ".keras-tfr-progress.json", 0),  # nor the journal of the first shard
+        (1500, 300, ".keras-tfr-progress.json", 7),  # the journal outgrows the limit
+    ],
+)
+def test_a_full_disk_names_the_file_and_leaves_no_partial_file(
+    tmp_path, limit, shard_size, failed, kept
+):
+    """A write that fails for want of space said only "[Errno 27] File too large" and
+    left the shard it was writing (complete, but in no journal) and the journal's
+    temporary file. The error names the file, nothing partial stays, and once there is
+    room `resume=True` finishes the data set as one uninterrupted write."""
+    import errno
+
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    child = subprocess.run(
+        [sys.executable, "-c", _FILE_SIZE_LIMIT, str(limit), d, str(shard_size)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    kind, code, said = json.loads(child.stdout.splitlines()[-1])
+    assert (kind, code) == ("OSError", errno.EFBIG), said
+    assert said == f"[Errno 27] Could not write {'the shard ' if 'shard' in failed else ''}" + (
+        f"{os.path.join(d, failed)}: File too large"
+    )
+    shards = [f"shard-{i:05d}.tfrecord" for i in range(kept)]
+    assert sorted(_listdir(d)) == ([PROGRESS_NAME, *shards] if kept else []), _listdir(d)
+    x = np.arange(400, dtype=np.float32).reshape(400, 1)
+    layout = dict(samples_per_record=1, shard_size=shard_size, verbose=0)
+    ArraysToRecords.from_arrays(x, np.arange(400), d, resume=True, **layout)
+    ArraysToRecords.from_arrays(x, np.arange(400), ref, **layout)
+    _assert_same_dataset(d, ref)

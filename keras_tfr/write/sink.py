@@ -9,9 +9,11 @@ the frame layout of `keras_tfr.format.framing`); compressed ones by TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from keras_tfr import _crc, _io
@@ -227,14 +229,28 @@ class ShardFiles:
         self._samples = self._records = self._crc = 0
         self._sink: _RecordSink | None = None
 
+    @contextlib.contextmanager
+    def _naming(self) -> Iterator[None]:
+        """An OSError of the shard being written (a disk full: the writing thread's
+        ``writev`` says only "No space left on device") names that shard."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is None and e.errno is not None and self._tmp:
+                raise type(e)(
+                    e.errno, f"Could not write the shard {self._tmp}: {e.strerror}"
+                ) from e
+            raise
+
     def add(self, record: Any, record_crc: int, count: int) -> None:
         """Queues one record of `count` samples (bytes, or a list of buffers) and its
         CRC-32C; closes the shard when it is full."""
-        if self._file is None:
-            self._open_shard()
-        self._crc = _crc.crc32c([struct.pack("<I", record_crc)], self._crc)
-        assert self._sink is not None  # started by _open_shard
-        self._sink.put((record, record_crc))
+        with self._naming():
+            if self._file is None:
+                self._open_shard()
+            self._crc = _crc.crc32c([struct.pack("<I", record_crc)], self._crc)
+            assert self._sink is not None  # started by _open_shard
+            self._sink.put((record, record_crc))
         self._records += 1
         self._samples += count
         if self._records >= self.layout.records_per_shard:
@@ -250,7 +266,8 @@ class ShardFiles:
         """Returns once every queued record is written (they may point into the caller's
         arrays), raising the writing thread's error if it had one."""
         if self._sink is not None:
-            self._sink.finish_shard()
+            with self._naming():
+                self._sink.finish_shard()
 
     def _open_shard(self) -> None:
         name = SHARD_FILE.format(len(self.shards))
@@ -266,7 +283,8 @@ class ShardFiles:
         if self._file is None:
             return
         self.wait()
-        self._file.close()
+        with self._naming():
+            self._file.close()
         self._file = None
         start_writeback(self._tmp)
         name = SHARD_FILE.format(len(self.shards))
@@ -281,7 +299,13 @@ class ShardFiles:
         )
         # Journal first, then rename: a kill in between leaves a journal entry whose file
         # is missing (resume checks and rewrites it), never a shard no journal lists.
-        write_journal(self.directory, self.layout, self.shards)
+        try:
+            write_journal(self.directory, self.layout, self.shards)
+        except BaseException:  # a disk full: the shard the journal could not list goes
+            self.shards.pop()
+            with contextlib.suppress(OSError):
+                _io.remove(self._tmp)
+            raise
         _io.rename(self._tmp, _io.join(self.directory, name))
 
     def sync(self) -> None:
