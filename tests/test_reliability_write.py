@@ -905,3 +905,28 @@ def test_a_full_disk_names_the_file_and_leaves_no_partial_file(
     ArraysToRecords.from_arrays(x, np.arange(400), d, resume=True, **layout)
     ArraysToRecords.from_arrays(x, np.arange(400), ref, **layout)
     _assert_same_dataset(d, ref)
+
+
+def test_no_space_left_names_the_shard(tmp_path, monkeypatch):
+    """The same for ENOSPC, raised by the writing thread's ``writev`` (a full disk)."""
+    import errno
+
+    from keras_tfr.write import sink
+
+    writev, calls = os.writev, []
+
+    def full_after_three(fd, parts):
+        calls.append(fd)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return writev(fd, parts)
+
+    monkeypatch.setattr(sink.os, "writev", full_after_three)
+    d = str(tmp_path / "ds")
+    x, y = _data()
+    with pytest.raises(OSError) as e:
+        ArraysToRecords.from_arrays(x, y, d, chunk_size=200, **LAYOUT)
+    assert e.value.errno == errno.ENOSPC
+    assert "Could not write the shard " + os.path.join(d, "shard-") in str(e.value)
+    assert str(e.value).endswith(".tfrecord.tmp: No space left on device")
+    assert not [n for n in _listdir(d) if ".tmp" in n], _listdir(d)
