@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +248,70 @@ def test_convert_resume_continues_an_interrupted_conversion(tmp_path, monkeypatc
         assert Path(d, shard.file).read_bytes() == Path(ref, shard.file).read_bytes()
     got_x, got_y = _read_all(d)
     assert _bits(got_x) == _bits(x) and np.array_equal(got_y, np.arange(24000))
+
+
+_SLOW_CONVERT = """
+import sys, time
+from keras_tfr.cli import data, main
+
+real = data.load_array
+
+
+class Slow:  # an input read slowly (a network disk): the test has time to stop it
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+    def __len__(self):
+        return len(self.a)
+    def __getitem__(self, index):
+        time.sleep(0.2)
+        return self.a[index]
+
+
+data.load_array = lambda spec: Slow(real(spec))
+sys.exit(main(["convert", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.subprocess
+def test_convert_stops_on_sigterm_as_on_ctrl_c_and_resumes(tmp_path, capsys):
+    """docs/cli.md: SIGTERM (a preempted job) ends `convert` with 143, its complete shards
+    and journal kept and no lock or partial shard left; ``--resume`` finishes it. It used
+    to die by the signal, leaving the lock and the shard it was writing."""
+    x = np.random.default_rng(2).standard_normal((4000, 64)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    args = ["--x", str(tmp_path / "x.npy"), "--shard-size", "64KB", "--quiet"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, d, *args, "--record-size", "16KB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            Path(d, PROGRESS_NAME).exists()
+            and json.loads(Path(d, PROGRESS_NAME).read_text())["shards"]
+        ):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no shard was completed"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().endswith("keras-tfr: terminated (SIGTERM)"), err[-2000:]
+    left = sorted(os.listdir(d))
+    assert MANIFEST_NAME not in left and ".keras-tfr.lock" not in left, left
+    assert not [n for n in left if n.endswith(".tmp")], left
+    kept = json.loads(Path(d, PROGRESS_NAME).read_text())["shards"]
+    assert [n for n in left if n.startswith("shard-")] == [s["file"] for s in kept]
+    assert main(["convert", d, *args, "--record-size", "16KB", "--resume"]) == 0
+    assert main(["convert", ref, *args, "--record-size", "16KB"]) == 0
+    for shard in Manifest.load(ref).shards:
+        assert Path(d, shard.file).read_bytes() == Path(ref, shard.file).read_bytes()
+    assert _bits(_read_all(d)) == _bits(x)
 
 
 def test_convert_memory_maps_npy_and_raw_inputs(tmp_path, monkeypatch):

@@ -18,8 +18,10 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from keras_tfr._version import __version__
 from keras_tfr.cli import data, parallel, serve, tfrecords, tune
@@ -127,12 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    # The data commands stop on SIGTERM (a preempted job, `kill`) as on Ctrl-C: a
+    # conversion keeps its complete shards and their journal, and leaves no lock or
+    # partial shard. `serve`, `parallel` and `tune` handle their signals themselves.
+    term = _on_sigterm() if args.command in _STOPPED_BY_SIGTERM else None
     try:
         if args._tensorflow and "tensorflow" not in sys.modules:
             from keras_tfr import _quiet
 
             _quiet.import_tensorflow_quietly()  # seconds: a Ctrl-C often lands here
         return int(args._run(args) or 0)
+    except _Terminated:
+        print("keras-tfr: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("keras-tfr: interrupted", file=sys.stderr)
         return 130
@@ -147,6 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         # One place turns bad input into exit code 2 for every subcommand.
         print(f"keras-tfr {args.command}: error: {with_flags(e, args._flags)}", file=sys.stderr)
         return 2
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
+
+
+_STOPPED_BY_SIGTERM = ("convert", "convert-tfrecords", "verify", "bench", "info")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a Ctrl-C would be, so that work stops as cleanly."""
+
+
+def _on_sigterm() -> Any:
+    """Raises `_Terminated` on SIGTERM from now on; returns the handler it replaced (to
+    put back), or None off the main thread, where no handler can be set."""
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminated)
+    except ValueError:
+        return None
+    return signal.SIG_DFL if previous is None else previous
 
 
 def _own_summary(record: logging.LogRecord) -> bool:
