@@ -474,7 +474,8 @@ def _write_iterable(
     options = dataclasses.replace(options, min_shards=1 if min_shards is None else min_shards)
     with make(directory, options) as writer:
         skip = writer.resumed_samples
-        told = checked = False
+        told = False
+        unchecked = writer._layout is not None  # resumed: the first batch, against its journal
         for item in batches:
             if not told and isinstance(item, list) and 2 <= len(item) <= 3:
                 told = True
@@ -489,8 +490,8 @@ def _write_iterable(
             n = inputs.batch_len(parts)
             if n == 0:
                 continue  # an empty batch (a chunked reader's empty tail) holds nothing
-            if writer._layout is not None and not checked:  # resumed: against its journal
-                checked = True
+            if unchecked:
+                unchecked = False
                 x_, y_, w_ = (*parts, None, None)[:3]
                 _check_resumed(writer, validate_batch(x_, y_, w_, writer.variable_length))
             if skip:
