@@ -220,6 +220,10 @@ def test_convert_resume_continues_an_interrupted_conversion(tmp_path, monkeypatc
         lambda spec: _Interrupting(real(spec)) if spec.endswith("x.npy") else real(spec),
     )
     assert main(["convert", d, *args]) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"keras-tfr: interrupted; the complete shards in {d} are kept: run the same command "
+        "with --resume"
+    )
     monkeypatch.setattr(data, "load_array", real)
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     done = json.loads(Path(d, PROGRESS_NAME).read_text())["shards"]
@@ -301,7 +305,10 @@ def test_convert_stops_on_sigterm_as_on_ctrl_c_and_resumes(tmp_path, capsys):
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-2000:]
-    assert err.strip().endswith("keras-tfr: terminated (SIGTERM)"), err[-2000:]
+    assert err.strip().endswith(
+        f"keras-tfr: terminated (SIGTERM); the complete shards in {d} are kept: run the same "
+        "command with --resume"
+    ), err[-2000:]
     left = sorted(os.listdir(d))
     assert MANIFEST_NAME not in left and ".keras-tfr.lock" not in left, left
     assert not [n for n in left if n.endswith(".tmp")], left

@@ -139,12 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
             _quiet.import_tensorflow_quietly()  # seconds: a Ctrl-C often lands here
         return int(args._run(args) or 0)
-    except _Terminated:
-        print("keras-tfr: terminated (SIGTERM)", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("keras-tfr: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        said = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(f"keras-tfr: {said}{_resume_hint(args)}", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
     except BrokenPipeError:
         # The reader of stdout went away (`keras-tfr info DIR | head`): as other
         # command-line tools, end quietly, with 141 (128 + SIGPIPE) as a shell reports it.
@@ -159,6 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if term is not None:
             signal.signal(signal.SIGTERM, term)
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What to do after an interrupted `convert` that kept complete shards."""
+    from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME
+
+    if args.command != "convert":
+        return ""
+    directory = str(args.directory)
+    try:
+        kept = os.path.exists(os.path.join(directory, PROGRESS_NAME))
+        done = os.path.exists(os.path.join(directory, MANIFEST_NAME))
+    except (OSError, ValueError):
+        return ""
+    if done or not kept:
+        return ""
+    return f"; the complete shards in {directory} are kept: run the same command with --resume"
 
 
 _STOPPED_BY_SIGTERM = ("convert", "convert-tfrecords", "verify", "bench", "info")
