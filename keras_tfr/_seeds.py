@@ -10,7 +10,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["only_op_seeds"]
+__all__ = ["drawn_seed", "only_op_seeds"]
+
+
+def drawn_seed() -> int:
+    """The seed of a pipeline given ``seed=None``: drawn from NumPy's global random state.
+
+    So its order differs from process to process, yet `keras.utils.set_random_seed(n)`
+    (or `np.random.seed(n)`) at a program's start makes it reproducible, as it makes
+    Keras' shuffle of NumPy inputs. (The draw advances that global state, as Keras'
+    shuffle advances its own.)
+    """
+    import numpy as np
+
+    return int(np.random.randint(0, 2**62, dtype=np.int64))
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tfr._compat.tf import OwnedIterator
-from keras_tfr._seeds import only_op_seeds
+from keras_tfr._seeds import drawn_seed, only_op_seeds
 from keras_tfr.errors import CorruptRecordError
 from keras_tfr.format import framing
 from keras_tfr.manifest import Manifest, parse_size
@@ -84,7 +84,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
         seed: makes the split and the shuffle reproducible: the order of epoch ``e`` is a
             function of ``(seed, e)`` alone. Any int from -2**63 to 2**63 - 1 (TensorFlow's
             int64); each gives its own order. Required with ``validation_split``, and the
-            same for both subsets.
+            same for both subsets. ``None``: a seed drawn from NumPy's global random state
+            when the source is made, so that `keras.utils.set_random_seed` makes the order
+            reproducible, as it makes Keras' shuffle of NumPy arrays (in block mode, with
+            ``deterministic=True``).
         drop_remainder: drop the last, partial batch. The batch dimension of
             `element_spec` is ``batch_size`` where every batch is full: with
             ``drop_remainder=True``, and in sample mode also where the subset (or this
@@ -240,6 +243,11 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self.corrupt_records = 0
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._clock = _EpochClock()
+        # `seed=None`: a seed drawn from NumPy's global state (`keras.utils.set_random_seed`
+        # makes it reproducible, as for NumPy inputs); the service's workers draw their own.
+        self._seed = opts.seed
+        if opts.seed is None and opts.shuffle and opts.service is None:
+            self._seed = drawn_seed()
         if opts.validation_split is not None and manifest.total_samples < 2:
             raise ValueError(
                 f"`validation_split` needs at least 2 samples; {opts.directory} holds "
@@ -515,7 +523,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         def share(worker: int | None) -> _order.SampleOrder:
             return _order.SampleOrder(
                 m.total_samples,
-                seed=opts.seed,
+                seed=self._seed,
                 validation_split=opts.validation_split,
                 subset=opts.subset,
                 num_workers=opts.num_workers,
@@ -630,7 +638,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             keep=self._keep,
             sample_keep=self._sample_keep,
             shuffle=opts.shuffle,
-            seed=opts.seed,
+            seed=self._seed,
             deterministic=deterministic,
             shuffle_bytes=opts.shuffle_bytes,
             pool_bytes=self._pool_bytes(),

@@ -179,6 +179,64 @@ def test_seeded_order_ignores_tensorflows_global_seed(tmp_path, reader):
 
 
 @pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_without_a_seed_set_random_seed_makes_the_order_reproducible(tmp_path, access):
+    """README: ``seed=None`` draws a seed from NumPy's global state, so that
+    `keras.utils.set_random_seed` makes the orders the same from run to run, as for
+    `fit(x, y, shuffle=True)`; without it every source reads its own orders. (It drew
+    OS entropy: set_random_seed changed nothing.)"""
+    import keras
+
+    x = np.arange(600, dtype=np.int64)
+    d = str(tmp_path / "d")
+    ArraysToRecords.from_arrays(x, None, d, samples_per_record=4, min_shards=3, verbose=0)
+    kw = dict(batch_size=16, access=access, deterministic=True)
+
+    def orders(src):
+        assert src.access == access
+        return [np.concatenate([b.numpy() for b in src]).tolist() for _ in range(2)]
+
+    keras.utils.set_random_seed(7)
+    first = orders(TFRecordSequenceSource(d, **kw))
+    other = orders(TFRecordSequenceSource(d, **kw))  # the global state moved on
+    keras.utils.set_random_seed(7)
+    again = orders(TFRecordSequenceSource(d, **kw))
+    np.random.seed(8)
+    eight = orders(TFRecordSequenceSource(d, **kw))
+    assert first == again and sorted(first[0]) == list(range(600))
+    assert first[0] != first[1]  # reshuffled each epoch
+    assert other != first and eight != first
+
+
+@pytest.mark.parametrize("set_epoch", [False, True])
+def test_fit_with_initial_epoch_reads_the_epoch_set(tmp_path, set_epoch):
+    """README: `fit(..., initial_epoch=k)` does not tell the source its epoch;
+    `source.set_epoch(k)` first makes `fit`'s epochs k, k+1, ... read epochs k, k+1, ...;
+    without it the source reads its own next epochs (0, 1, ...)."""
+    import keras
+
+    n = 96
+    d = str(tmp_path / "d")
+    x = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+    ArraysToRecords.from_arrays(x, np.arange(n), d, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=32, seed=3)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    seen = []
+
+    class Epochs(keras.callbacks.Callback):  # the epochs fit ran
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(epoch)
+
+    if set_epoch:
+        src.set_epoch(2)
+    model.fit(src, epochs=4, initial_epoch=2, verbose=0, callbacks=[Epochs()])
+    assert seen == [2, 3]
+    # The next iterator reads the epoch after the last one fit read.
+    after = np.concatenate([by.numpy() for _, by in src])
+    assert after.tolist() == src.sample_order(4 if set_epoch else 2).tolist()
+
+
+@pytest.mark.parametrize("access", ["samples", "blocks"])
 def test_every_64_bit_seed_works_and_no_two_share_an_order(make_dataset, small_xy, access):
     """Seeds are TensorFlow's int64: each in range gives its own order in both modes (no
     seed taken modulo 2**64 stands for another); one out of range is refused up front."""
