@@ -439,7 +439,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     def replace(self, **changes: Any) -> TFRecordSequenceSource:
         """A copy with some arguments changed (the manifest in memory is reused unless
-        ``directory`` changes).
+        ``directory`` changes). A source made with ``seed=None`` passes on the seed it
+        drew: the copy reads the same orders, and can be split.
 
         Example:
             >>> bigger = source.replace(batch_size=512, shuffle_memory="256MB")
@@ -451,6 +452,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 f"`replace` got unknown arguments {sorted(unknown)}; expected some of "
                 f"{sorted(names)}"
             )
+        if "seed" not in changes and self._cfg.seed is None and self._seed is not None:
+            changes["seed"] = self._seed  # the one drawn for `seed=None`
         opts = dataclasses.replace(self._cfg, **changes)
         same_data = os.fspath(opts.directory) == self._cfg.directory
         return TFRecordSequenceSource(

@@ -48,6 +48,37 @@ def test_fit_with_validation_split_on_a_source_says_how_the_source_splits(make_d
     assert "keras-tfr" not in str(e.value)
 
 
+def test_a_source_without_a_seed_passes_the_seed_it_drew_on(make_dataset):
+    """`replace` keeps the seed, also the one a `seed=None` source drew: its copies
+    (`with_batch_size`, the split the hint shows) read the same orders and can be split;
+    they drew new seeds, and the split asked for a seed."""
+    import keras
+
+    x = np.arange(80, dtype=np.float32).reshape(40, 2)
+    d = make_dataset(x, np.arange(40, dtype=np.float32))
+    source = TFRecordSequenceSource(d, 4)
+    assert source.config.seed is None
+    order = [source.sample_order(e).tolist() for e in range(2)]
+    for copy in (source.with_batch_size(4), source.replace(verify="every_epoch")):
+        assert [copy.sample_order(e).tolist() for e in range(2)] == order
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="only") as e:
+        model.fit(source, validation_split=0.25, verbose=0)
+    assert "seed=0" not in str(e.value)
+    scope = {"source": source}
+    for line in str(e.value).splitlines()[1:3]:
+        exec(line.strip(), scope)
+    train, val = scope["train"], scope["val"]
+    assert len(train.sample_order(0)) == 30 and len(val.sample_order(0)) == 10
+    assert not set(train.sample_order(0)) & set(val.sample_order(0))
+    # Unshuffled, no seed is drawn: the hint gives one.
+    unshuffled = TFRecordSequenceSource(d, 4, shuffle=False)
+    with pytest.raises(ValueError, match="only") as e:
+        model.fit(unshuffled, validation_split=0.25, verbose=0)
+    assert "subset='training', seed=0)" in str(e.value)
+
+
 def tf_dataset_of(x, y):
     import tensorflow as tf
 

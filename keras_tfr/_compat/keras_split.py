@@ -54,7 +54,8 @@ def split_hint(source: Any, validation_split: Any) -> str:
             f"    val = source.replace(subset={other!r}, shuffle=False)\n"
             "    model.fit(source, validation_data=val, ...)"
         )
-    seed = "" if cfg.seed is not None else ", seed=0"  # a split needs a seed
+    # A split needs a seed: `replace` passes on the source's (given or drawn).
+    seed = "" if source._seed is not None else ", seed=0"
     return head + (
         "The source splits itself (`validation_split`, `subset`, `seed`): make two "
         "sources from it and pass the second as validation_data:\n"
