@@ -1,10 +1,24 @@
-"""Shared by the tests of `keras-tfr serve`: a server process, up to its "serving" line."""
+"""Shared by the tests of `keras-tfr serve` and the tf.data service: a server process, up
+to its "serving" line, and free ports."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while they are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _serve import serving
+from _serve import free_ports, serving
 
 from keras_tfr.cli import data, main
 from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
@@ -470,17 +470,6 @@ def test_serve_stops_on_sigterm_with_exit_0():
         _terminate(proc)
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.mark.subprocess
 def test_serve_dispatcher_starts_only_workers_that_join_it(make_dataset):
     from keras_tfr import TFRecordSequenceSource
@@ -491,7 +480,7 @@ def test_serve_dispatcher_starts_only_workers_that_join_it(make_dataset):
     d = make_dataset(x, np.arange(n, dtype=np.int64), samples_per_record=4)
     cluster = start_service(0, port=0)  # a dispatcher alone, in this process
     try:
-        ports = _free_ports(2)
+        ports = free_ports(2)
         address = cluster.target.split("://", 1)[1]
         args = ["--workers", "2", "--dispatcher", address, "--host", "127.0.0.1"]
         with _serving(*args, "--worker-ports", *map(str, ports)) as (proc, lines):
@@ -613,7 +602,7 @@ def test_serve_gives_up_on_a_dispatcher_that_does_not_answer():
     """TensorFlow's workers wait for their dispatcher in a call that neither Ctrl-C nor
     ``--duration`` stops: ``serve`` starts them only once it answers, and ends with
     status 1 when ``--duration`` passes first."""
-    (port,) = _free_ports(1)  # nothing listens there
+    (port,) = free_ports(1)  # nothing listens there
     cmd = [EXE] if os.path.exists(EXE) else [sys.executable, "-m", "keras_tfr.cli"]
     proc = subprocess.run(
         [*cmd, "serve", "--dispatcher", f"127.0.0.1:{port}", "--duration", "1"],
@@ -634,7 +623,7 @@ def test_serve_waiting_for_its_dispatcher_says_so_and_stops_on_a_signal_with_sta
     from keras_tfr.cli import serve
 
     assert serve._WAIT_NOTICE_SECONDS == 10 and serve._STOP_SECONDS == 10  # as documented
-    (port,) = _free_ports(1)  # nothing listens there
+    (port,) = free_ports(1)  # nothing listens there
     code = (
         "import sys\nfrom keras_tfr.cli import main, serve\nserve._WAIT_NOTICE_SECONDS = 0.1\n"
         f"sys.exit(main(['serve', '--dispatcher', '127.0.0.1:{port}']))"

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from _serve import serving
+from _serve import free_ports, serving
 
 from keras_tfr import TFRecordSequenceSource
 from keras_tfr.distribute import start_service
@@ -431,18 +430,6 @@ _TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open while they are chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _run_workers(tmp_path, mode, directory, batch, tf_configs):
     script = tmp_path / "train_worker.py"
     script.write_text(_TRAIN_SCRIPT)
@@ -485,7 +472,7 @@ def _per_epoch(result):
 @pytest.mark.subprocess
 def test_multi_worker_mirrored_strategy_two_workers(tmp_path, ids_dataset):
     batch = 8
-    ports = _free_ports(2)
+    ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     configs = [{"cluster": cluster, "task": {"type": "worker", "index": i}} for i in range(2)]
     results = _run_workers(tmp_path, "mwms", ids_dataset, batch, configs)
