@@ -13,8 +13,7 @@ import contextlib
 import os
 import struct
 import sys
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from keras_tfr import _crc, _io
 from keras_tfr.format import framing
@@ -229,28 +228,24 @@ class ShardFiles:
         self._samples = self._records = self._crc = 0
         self._sink: _RecordSink | None = None
 
-    @contextlib.contextmanager
-    def _naming(self) -> Iterator[None]:
-        """An OSError of the shard being written (a disk full: the writing thread's
-        ``writev`` says only "No space left on device") names that shard."""
-        try:
-            yield
-        except OSError as e:
-            if e.filename is None and e.errno is not None and self._tmp:
-                raise type(e)(
-                    e.errno, f"Could not write the shard {self._tmp}: {e.strerror}"
-                ) from e
-            raise
+    def _raise_named(self, e: OSError) -> NoReturn:
+        """Raises an OSError of the shard being written, naming that shard (a disk full:
+        the writing thread's ``writev`` says only "No space left on device")."""
+        if e.filename is None and e.errno is not None and self._tmp:
+            raise type(e)(e.errno, f"Could not write the shard {self._tmp}: {e.strerror}") from e
+        raise e
 
     def add(self, record: Any, record_crc: int, count: int) -> None:
         """Queues one record of `count` samples (bytes, or a list of buffers) and its
         CRC-32C; closes the shard when it is full."""
-        with self._naming():
+        try:
             if self._file is None:
                 self._open_shard()
             self._crc = _crc.crc32c([struct.pack("<I", record_crc)], self._crc)
             assert self._sink is not None  # started by _open_shard
             self._sink.put((record, record_crc))
+        except OSError as e:
+            self._raise_named(e)
         self._records += 1
         self._samples += count
         if self._records >= self.layout.records_per_shard:
@@ -266,8 +261,10 @@ class ShardFiles:
         """Returns once every queued record is written (they may point into the caller's
         arrays), raising the writing thread's error if it had one."""
         if self._sink is not None:
-            with self._naming():
+            try:
                 self._sink.finish_shard()
+            except OSError as e:
+                self._raise_named(e)
 
     def _open_shard(self) -> None:
         name = SHARD_FILE.format(len(self.shards))
@@ -283,8 +280,10 @@ class ShardFiles:
         if self._file is None:
             return
         self.wait()
-        with self._naming():
+        try:
             self._file.close()
+        except OSError as e:
+            self._raise_named(e)
         self._file = None
         start_writeback(self._tmp)
         name = SHARD_FILE.format(len(self.shards))
