@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -242,7 +243,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self._corrupt_lock = threading.Lock()
         self.corrupt_records = 0
         self._corrupt_seen: set[tuple[str, int]] = set()
-        self._clock = _EpochClock()
+        self._clock = _EpochClock(opts.directory)
         # `seed=None`: a seed drawn from NumPy's global state (`keras.utils.set_random_seed`
         # makes it reproducible, as for NumPy inputs); the service's workers draw their own.
         self._seed = opts.seed
@@ -402,6 +403,12 @@ class TFRecordSequenceSource(tf.data.Dataset):
         same order (what `keras_tfr.BackupAndRestore` does). On the tf.data service
         (``service=``) it has no effect, and logs a warning saying so: the service's
         workers draw each iterator's order.
+
+        ``step`` applies to the source's own iterators (``iter(source)``, ``fit(source)``,
+        `as_numpy_iterator`). A data set made from the source (``source.map(f)``,
+        ``.take(n)``, the ``map`` Keras adds for ``class_weight``) counts whole epochs of
+        ``len(source)`` batches, fixed when it was made: it reads that epoch from its first
+        batch, and logs a warning saying so.
 
         Example:
             >>> train.set_epoch(3, step=120)  # the next iterator yields epoch 3's batch 120 on
@@ -627,8 +634,30 @@ class TFRecordSequenceSource(tf.data.Dataset):
     # ----------------------------------------------------------- pipeline
 
     def _build(self) -> tf.data.Dataset:
-        if self._access == "samples":
-            return self._finish(self._build_mapped(), direct=True)
+        """The pipeline this data set is: what `fit` and a data set made from the source
+        (``source.map(...)``, Keras' ``class_weight``) read. Its count is a whole epoch's
+        (``len(source)``), so its iterators read whole epochs (`_EpochClock.take_whole`);
+        this source's own iterators read an epoch `set_epoch` started mid-way from another
+        pipeline (`_resumed`)."""
+        direct = self._access == "samples"
+        batches_of = self._mapped_batches() if direct else self._graph_batches()
+
+        def uncounted(next_epoch: Callable[[], tuple[int, int]]) -> tf.data.Dataset:
+            return self._finish(batches_of(next_epoch), direct)
+
+        self._uncounted = uncounted
+        self._resumable: tf.data.Dataset | None = None
+        batches = uncounted(self._clock.take_whole)
+        if self._counted():
+            batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
+        return batches.with_options(self._tf_options(direct))
+
+    def _counted(self) -> bool:
+        """Whether the pipeline knows its count (the service's parallel epochs do not)."""
+        return self._cfg.service is None or self._cfg.service_mode == "distributed_epoch"
+
+    def _graph_batches(self) -> Callable[[Callable[[], tuple[int, int]]], tf.data.Dataset]:
+        """Block mode: the batches of each iterator's epoch, for a given ``next_epoch``."""
         from keras_tfr.read.graph import GraphReader
 
         opts = self._cfg
@@ -655,7 +684,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             else None,
             fill_rows=self._fill_rows() if opts.on_corrupt == "skip" else None,
         )
-        return self._finish(reader.dataset(self._clock.take), direct=False)
+        return reader.dataset
 
     def _fill_rows(self) -> int:
         """Block mode: the samples of one epoch's batches (``len(self)`` of them, the
@@ -665,7 +694,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return data_batches * self.batch_size
         return min(self._num_samples, data_batches * self.batch_size)
 
-    def _build_mapped(self) -> tf.data.Dataset:
+    def _mapped_batches(self) -> Callable[[Callable[[], tuple[int, int]]], tf.data.Dataset]:
+        """Sample mode: the batches of each iterator's epoch, for a given ``next_epoch``."""
         from keras_tfr.read import mapped
 
         m = self._manifest
@@ -718,8 +748,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
                     out[s.key] = feature if rows is None else _rows(rows)(feature)
                 return structure(out)
 
-            return mapped.lattice_dataset(plan, region, self._clock.take, finish)
-        blocks = mapped.dataset(plan, self._clock.take)
+            return functools.partial(mapped.lattice_dataset, plan, region, finish=finish)
         # Decoding (a reshape and a zero-copy bitcast) and Keras' structure are applied
         # once per block of batches, so each batch then costs only its slice.
 
@@ -745,7 +774,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 return batches
             return batches.map(lambda *b: tf.nest.map_structure(_rows(rows), element(b)))
 
-        return blocks.map(decode).flat_map(cut)
+        def batches(next_epoch: Callable[[], tuple[int, int]]) -> tf.data.Dataset:
+            return mapped.dataset(plan, next_epoch).map(decode).flat_map(cut)
+
+        return batches
 
     def _prefetch_batches(self) -> int:
         """Sample mode's prefetch depth: `_PREFETCH_BYTES` of batches, in `_PREFETCH_BATCHES`."""
@@ -754,8 +786,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         return max(lo, min(hi, _PREFETCH_BYTES // batch_bytes))
 
     def _finish(self, batches: tf.data.Dataset, direct: bool) -> tf.data.Dataset:
-        """The stages after batching, shared by both modes."""
-        opts = self._cfg
+        """The stages after batching, shared by both modes (all but the count)."""
         if any(s.kind != "fixed" for s in self._specs) or self._decode:
             from keras_tfr.tfrecords import finish_features
 
@@ -767,24 +798,22 @@ class TFRecordSequenceSource(tf.data.Dataset):
             batches = _distribute.pad_with_empty_batches(batches, self._pad_batches)
         # Prefetch starts with an iterator's first batch, so an iterator Keras makes and
         # drops unread (it makes the next one at each epoch's end) reads nothing.
-        batches = batches.prefetch(self._prefetch_batches() if direct else tf.data.AUTOTUNE)
-        options = self._tf_options(direct)
-        self._uncounted: tf.data.Dataset | None = None
-        if opts.service is None or opts.service_mode == "distributed_epoch":
-            self._uncounted = batches
-            batches = batches.apply(tf.data.experimental.assert_cardinality(self._steps))
-        return batches.with_options(options)
+        return batches.prefetch(self._prefetch_batches() if direct else tf.data.AUTOTUNE)
 
     def _resumed(self, step: int) -> tf.data.Dataset:
         """This source's pipeline for an iterator whose epoch starts at batch ``step``
         (`set_epoch(epoch, step)`): the same batches, with the cardinality that epoch has
         (``len(self) - step``). Keras' multi-step loop (`steps_per_execution` > 1 under
         TensorFlow) reads one batch past an epoch's end inside its `tf.function`, where
-        a whole epoch's count would fail as "expected to contain N elements"."""
-        if self._uncounted is None or self._cfg.service is not None or not 0 < step < self._steps:
+        a whole epoch's count would fail as "expected to contain N elements". Made once,
+        when first needed: its iterators honour the step `set_epoch` gave (`_EpochClock.take`),
+        where this data set's own read whole epochs."""
+        if self._cfg.service is not None or not 0 < step < self._steps:
             return self  # the service reads whole epochs: `set_epoch` says it has no effect
         with only_op_seeds():
-            counted = self._uncounted.apply(
+            if self._resumable is None:
+                self._resumable = self._uncounted(self._clock.take)
+            counted = self._resumable.apply(
                 tf.data.experimental.assert_cardinality(self._steps - step)
             )
             return counted.with_options(self._tf_options(self._access == "samples"))
@@ -900,7 +929,8 @@ class _EpochClock:
     """The epoch (and first batch) of each new iterator: set by `set_epoch`, else the one
     after the last."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: str) -> None:
+        self._directory = directory  # for `take_whole`'s warning
         self._lock = threading.Lock()
         self._epoch = 0
         self._step = 0
@@ -930,14 +960,36 @@ class _EpochClock:
         with self._lock:
             return self._step
 
-    def take(self) -> tuple[int, int]:
+    def take(self, whole: bool = False) -> tuple[int, int]:
+        """``(epoch, first batch)`` of the iterator that starts reading now; the next one
+        reads the epoch after (unless `held`). ``whole``: from the epoch's first batch."""
         with self._lock:
-            out = (self._epoch, self._step)
-            self.last_step = self._step
+            out = (self._epoch, 0 if whole else self._step)
+            asked = self._step
+            self.last_step = out[1]
             if not self._held:
                 self._epoch += 1
                 self._step = 0
+        if whole and asked:
+            log.warning(
+                "keras-tfr: %s: set_epoch(%d, step=%d) starts epoch %d at batch %d for the "
+                "source's own iterators only (iter(source), fit(source), "
+                "as_numpy_iterator()). A data set made from the source (source.map(...), "
+                ".take(...), Keras' class_weight) counts whole epochs of len(source) "
+                "batches, so it reads epoch %d from its first batch.",
+                self._directory,
+                out[0],
+                asked,
+                out[0],
+                asked,
+                out[0],
+            )
         return out
+
+    def take_whole(self) -> tuple[int, int]:
+        """`take` from the epoch's first batch, for the source's own pipeline (see
+        `TFRecordSequenceSource._build`)."""
+        return self.take(whole=True)
 
 
 _READ_IN_PYTHON = (

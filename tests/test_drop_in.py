@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import keras
 import numpy as np
 import pytest
 
@@ -199,3 +202,43 @@ def test_batches_have_the_shapes_keras_gives_the_same_arrays(make_dataset, batch
     assert shapes == {int(b[0].shape[0]) for b in src}
     assert shapes == {b[0].shape[0] for b in src.as_numpy_iterator()}
     assert shapes == ({batch_size} if n % batch_size == 0 else {batch_size, n % batch_size})
+
+
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_an_epoch_set_mid_way_is_read_whole_by_a_data_set_made_from_the_source(
+    make_dataset, caplog, access
+):
+    # A data set made from a source counts whole epochs (len(source), fixed when it was
+    # made): cut short at a step `set_epoch` gave, it ended with TensorFlow's "Input dataset
+    # was expected to contain 13 elements but contained only 10".
+    x = np.arange(104 * 3, dtype=np.float32).reshape(104, 3)
+    y = np.arange(104)
+    d = make_dataset(x, y, samples_per_record=8)
+
+    def labels(data):
+        return np.concatenate([np.asarray(b[1]) for b in data])
+
+    ref = TFRecordSequenceSource(d, batch_size=8, seed=0, access=access)
+    ref.set_epoch(1)
+    epoch_1, epoch_2 = labels(ref), labels(ref)
+    src = TFRecordSequenceSource(d, batch_size=8, seed=0, access=access)
+    src.set_epoch(1, step=3)
+    assert np.array_equal(labels(src), epoch_1[24:])  # the source itself: from batch 3 on
+    src.set_epoch(1, step=3)
+    with caplog.at_level(logging.WARNING, logger="keras_tfr"):
+        assert np.array_equal(labels(src.map(lambda a, b: (a, b))), epoch_1)
+    assert "set_epoch(1, step=3)" in caplog.text
+    assert "reads epoch 1 from its first batch" in caplog.text
+    assert np.array_equal(labels(src.map(lambda a, b: (a, b))), epoch_2)
+    # Keras wraps the source in a `map` for `class_weight`: a whole epoch, no error.
+    src.set_epoch(1, step=3)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    steps = []
+    batch_end = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append(batch)
+    )
+    model.fit(
+        src, epochs=1, verbose=0, class_weight={k: 1.0 for k in range(104)}, callbacks=[batch_end]
+    )
+    assert steps == list(range(13))

@@ -280,6 +280,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.data.ops.dataset_ops",
+        "DatasetV2._inputs",
+        "tensorflow",
+        _TF,
+        "the data sets a data set reads: finds the sources inside source.map(...) and the "
+        "like, whose epoch the JAX and torch trainers' build from one batch must not use up",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.eager.context",
         "context()._seed",
         "tensorflow",

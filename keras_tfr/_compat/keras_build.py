@@ -8,17 +8,20 @@ iterator of the data, then ``epoch_iterator.reset()``. For a `TFRecordSequenceSo
 every iterator that starts reading is the next epoch, so that batch used up epoch 0:
 ``fit``'s epoch ``e`` read ``sample_order(e + 1)`` (under TensorFlow, which builds inside
 its first step, ``sample_order(e)``), and a `keras_tfr.BackupAndRestore`, which sets each
-epoch itself, changed the order. The wrapper holds the source's epoch while the build
-reads (`TFRecordSequenceSource`'s clock, ``held``): its iterator reads the next epoch's
-first batch without using that epoch up.
+epoch itself, changed the order. The same held for a data set made from a source
+(``source.map(f)``, ``.take``, ``.repeat()``, Keras' ``class_weight`` map). The wrapper
+holds the epoch of every source the iterator reads while the build reads
+(`TFRecordSequenceSource`'s clock, ``held``): its iterator reads the next epoch's first
+batch without using that epoch up.
 
 Private APIs used (listed in `keras_tfr._compat.PRIVATE_APIS`, checked by
 ``tests/test_compat.py``):
 
 * ``keras.src.trainers.trainer.Trainer._symbolic_build(self, iterator=None,
   data_batch=None)``, inherited by every backend's trainer;
-* the mark `keras_shuffle` puts on an ``EpochIterator`` made for a source
-  (``SOURCE_OF_ITERATOR``, set by its wrapper of ``EpochIterator.__init__``).
+* the mark `keras_shuffle` puts on an ``EpochIterator`` made for a source, or for a data
+  set made from sources (``SOURCE_OF_ITERATOR``, set by its wrapper of
+  ``EpochIterator.__init__``, which finds them through ``DatasetV2._inputs``).
 
 Outside `keras_shuffle.KERAS_VERIFIED` nothing is wrapped (the order is then off by one
 epoch under JAX and torch, as before).
@@ -26,6 +29,7 @@ epoch under JAX and torch, as before).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -74,10 +78,10 @@ def install_build_hook() -> bool:
         @functools.wraps(original)
         def _symbolic_build(*args: Any, **kwargs: Any) -> Any:
             iterator = signature.bind(*args, **kwargs).arguments.get("iterator")
-            source = getattr(iterator, SOURCE_OF_ITERATOR, None)
-            if source is None:
-                return original(*args, **kwargs)
-            with source._clock.held():
+            sources = getattr(iterator, SOURCE_OF_ITERATOR, ())
+            with contextlib.ExitStack() as stack:
+                for source in sources:
+                    stack.enter_context(source._clock.held())
                 return original(*args, **kwargs)
 
         setattr(_symbolic_build, _MARK, True)

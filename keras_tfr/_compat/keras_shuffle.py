@@ -29,7 +29,9 @@ shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator 
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
 arrays keeps theirs.
 
-An iterator made for a source is marked with it (``SOURCE_OF_ITERATOR``), for
+An iterator made for a source, or for a data set made from sources (``source.map(f)``,
+``.take``, ``.repeat()``, Keras' ``class_weight`` map; found through tf.data's
+``DatasetV2._inputs``), is marked with them (``SOURCE_OF_ITERATOR``), for
 `keras_tfr._compat.keras_build`.
 
 The other data sets keras-tfr returns that shuffle themselves (`from_tfrecords`'s,
@@ -74,7 +76,7 @@ GET_DATA_ADAPTER = "get_data_adapter"
 SHUFFLE_WARNING = "`shuffle=True` was passed, but will be ignored since the data `x` was provided"
 
 _MARK = "_keras_tfr_shuffle_filter"
-SOURCE_OF_ITERATOR = "_keras_tfr_source"  # set on an EpochIterator made for a source
+SOURCE_OF_ITERATOR = "_keras_tfr_sources"  # on an EpochIterator: the sources it reads
 _SHUFFLES_ITSELF = "_keras_tfr_shuffles_itself"
 _lock = threading.Lock()
 
@@ -115,6 +117,31 @@ def _is_keras_tfr_source(x: Any) -> bool:
     # No import: if keras_tfr.source was never imported, `x` cannot be one of its sources.
     source = sys.modules.get("keras_tfr.source")
     return source is not None and isinstance(x, source.TFRecordSequenceSource)
+
+
+def sources_within(x: Any, limit: int = 10_000) -> list[Any]:
+    """The `TFRecordSequenceSource` objects ``x`` reads: ``x`` itself, or those inside a
+    data set made from sources (``source.map(f)``, ``.take``, ``.repeat()``, ``zip``,
+    Keras' own ``class_weight`` map), found through tf.data's input data sets (at most
+    ``limit`` data sets are looked at)."""
+    module = sys.modules.get("keras_tfr.source")
+    if module is None:  # never imported: `x` holds none of its sources
+        return []
+    from keras_tfr._compat.tf import dataset_inputs
+
+    found: list[Any] = []
+    seen: set[int] = set()
+    todo = [x]
+    while todo and len(seen) < limit:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if isinstance(d, module.TFRecordSequenceSource):
+            found.append(d)
+        else:
+            todo.extend(dataset_inputs(d))
+    return found
 
 
 def _shuffles_itself(x: Any) -> bool:
@@ -194,9 +221,11 @@ def install_shuffle_warning_filter() -> bool:
             elif bound.arguments.get("shuffle") and _shuffles_itself(x):
                 bound.arguments["shuffle"] = False
             original(*bound.args, **bound.kwargs)
-            if _is_keras_tfr_source(x):
-                # The source this iterator reads, for `keras_build`'s hook.
-                setattr(bound.arguments["self"], SOURCE_OF_ITERATOR, x)
+            # The sources this iterator reads (the source itself, or those inside a data
+            # set made from sources), for `keras_build`'s hook.
+            sources = sources_within(x)
+            if sources:
+                setattr(bound.arguments["self"], SOURCE_OF_ITERATOR, tuple(sources))
 
         setattr(__init__, _MARK, True)
         iterator_class.__init__ = __init__

@@ -12,6 +12,10 @@ imported until an accessor runs: importing this module does not load TensorFlow.
   mode (``_serialize_to_tensors``).
 * ``tensorflow.python.eager.context.context()._seed``: the global seed that
   `tf.random.set_seed` sets; `keras_tfr._seeds` hides it while a pipeline is built.
+* ``tensorflow.python.data.ops.dataset_ops.DatasetV2._inputs``: the data sets a
+  `tf.data.Dataset` reads (``source.map(f)`` reads the source), so that Keras' JAX and
+  torch trainers' build from one batch uses up no epoch of a source inside one
+  (`keras_tfr._compat.keras_build`).
 * ``tensorflow.python.lib.io._pywrap_record_io.RandomRecordReader``: reads one TFRecord
   at a byte offset, so that `keras_tfr.verifier` can name the offset of a bad record.
 """
@@ -25,6 +29,7 @@ if TYPE_CHECKING:  # for annotations only: TensorFlow loads when an accessor run
 
 __all__ = [
     "OwnedIterator",
+    "dataset_inputs",
     "get_global_seed",
     "owned_iterator",
     "random_record_reader",
@@ -45,6 +50,18 @@ def __getattr__(name: str) -> Any:
     if name == "OwnedIterator":
         return owned_iterator()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dataset_inputs(dataset: Any) -> list[Any]:
+    """The data sets ``dataset`` reads (``DatasetV2._inputs``); none for an object that is
+    not a `tf.data.Dataset` or whose inputs cannot be listed."""
+    inputs = getattr(dataset, "_inputs", None)
+    if not callable(inputs):
+        return []
+    try:
+        return list(inputs())
+    except Exception:  # a data set type that does not implement it
+        return []
 
 
 def _eager_context() -> Any:
