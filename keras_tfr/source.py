@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -264,7 +266,12 @@ class TFRecordSequenceSource(tf.data.Dataset):
                 f"The {opts.subset or 'selected'} subset of {opts.directory} holds no samples "
                 f"(validation_split={opts.validation_split}); use a smaller split or more data."
             )
-        with only_op_seeds():
+        # TensorFlow keeps the Python functions of this source's pipeline for the process's
+        # life (`_py_funcs_of`): taken out of its list when the source is collected.
+        self._py_funcs: set[int] = set()
+        forget = weakref.finalize(self, _forget_py_funcs, self._py_funcs)
+        forget.atexit = False
+        with only_op_seeds(), _py_funcs_of(self._py_funcs):
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
 
@@ -812,7 +819,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return self  # the service reads whole epochs: `set_epoch` says it has no effect
         with only_op_seeds():
             if self._resumable is None:
-                self._resumable = self._uncounted(self._clock.take)
+                with _py_funcs_of(self._py_funcs):
+                    self._resumable = self._uncounted(self._clock.take)
             counted = self._resumable.apply(
                 tf.data.experimental.assert_cardinality(self._steps - step)
             )
@@ -923,6 +931,53 @@ class TFRecordSequenceSource(tf.data.Dataset):
 def _rows(rows: int) -> Callable[[Any], Any]:
     """Sets the static batch dimension (where every batch is full)."""
     return lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]])
+
+
+_BUILD_LOCK = threading.Lock()  # one pipeline built at a time: see `_py_funcs_of`
+
+
+def _ours(func: Any) -> bool:
+    """Whether a function TensorFlow registered is one of keras-tfr's (unwrapped from
+    `tf.py_function`'s ``EagerFunc`` and AutoGraph's wrappers)."""
+    func = inspect.unwrap(getattr(func, "_func", func))
+    return str(getattr(func, "__module__", "")).startswith("keras_tfr.")
+
+
+@contextlib.contextmanager
+def _py_funcs_of(owned: set[int]) -> Iterator[None]:
+    """Adds to ``owned`` the ids of keras-tfr's functions that `tf.numpy_function` and
+    `tf.py_function` register while the block builds a pipeline.
+
+    Outside a graph, TensorFlow 2.21 keeps each such function in the process's default
+    graph for as long as the process runs (TensorFlow issue 61344), and with it what
+    the function refers to: a dropped source's plan and memory map (its pages in the
+    RSS, a deleted shard's disk space taken) until the process ended. The source takes
+    its own functions out of that list when it is collected (`_forget_py_funcs`); by
+    then nothing can run its pipeline (data sets made from it, and their iterators,
+    hold it). Builds are serialized, so that the functions registered meanwhile by
+    keras-tfr are this build's (other code's are told apart by their module).
+    """
+    from keras_tfr._compat import tf as compat_tf
+
+    funcs = compat_tf.eager_py_funcs()
+    with _BUILD_LOCK:
+        before = len(funcs) if funcs is not None else 0
+        yield
+        if funcs is not None:
+            owned.update(id(f) for f in funcs[before:] if _ours(f))
+
+
+def _forget_py_funcs(owned: set[int]) -> None:
+    """Takes the functions ``owned`` names out of TensorFlow's list (see `_py_funcs_of`)."""
+    from keras_tfr._compat import tf as compat_tf
+
+    funcs = compat_tf.eager_py_funcs()
+    if not owned or funcs is None:
+        return
+    for f in [f for f in funcs if id(f) in owned]:
+        with contextlib.suppress(ValueError):  # already gone
+            funcs.remove(f)
+    owned.clear()
 
 
 class _EpochClock:

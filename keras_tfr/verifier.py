@@ -88,6 +88,8 @@ def _iter_records(path: str, compression: str | None) -> Iterator[tuple[int | No
     tf_log.setLevel(logging.ERROR)
     try:
         it = tf.compat.v1.io.tf_record_iterator(path, options)
+    except Exception as e:  # the file could not be opened: this shard's problem
+        raise _RecordError(None, e) from e
     finally:
         tf_log.setLevel(level)
     while True:
@@ -136,6 +138,11 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> list[str]:
         actual = _io.size(path)
     except Exception:
         return ["missing"]
+    try:  # a shard there but not readable (its permissions): named, and the others checked
+        with _io.open_read(path):
+            pass
+    except OSError as e:
+        return [f"the file cannot be opened ({e.strerror or e})"]
     problems = []
     if actual != shard.bytes:
         problems.append(f"{actual} bytes, the manifest records {shard.bytes}")

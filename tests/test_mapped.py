@@ -893,3 +893,27 @@ def test_a_source_mid_epoch_checks_a_shard_another_source_mapped_again(tmp_path)
     ids = np.arange(5 * m.samples_per_record, 6 * m.samples_per_record)
     with pytest.raises(ValueError, match="CRC"):
         plan.good_samples(ids, 0, 99)  # the next unit of `reading` touching record 5
+
+
+def test_a_dropped_source_unmaps_its_shards_though_checking_threads_helped(tmp_path):
+    # The process's checking threads outlive every source; each kept its last job (a
+    # bound method of the plan) while it waited for the next, and with it the mapping:
+    # the dropped source's pages stayed in the RSS, a deleted shard's disk space taken.
+    import weakref
+
+    d = str(tmp_path / "ds")
+    x = np.arange(640 * 4, dtype=np.float32).reshape(640, 4)
+    ArraysToRecords.from_arrays(x, np.arange(640), d, samples_per_record=10, verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=64, seed=0)
+    assert len(src._manifest.shards) and src._manifest.total_records == 64  # 7 helpers
+    got = np.concatenate([b[0] for b in src.as_numpy_iterator()])
+    assert np.array_equal(np.sort(got[:, 0]), x[:, 0])
+    helped = {t.ident for t in threading.enumerate() if t.name == "keras_tfr_check"}
+    assert helped, "the checks ran on the shared checking threads"
+    region = weakref.ref(src._mapped_plan.region())
+    del src, got
+    gc.collect()  # the source, which takes its functions out of TensorFlow's list
+    gc.collect()  # then they, and the plan they refer to
+    assert region() is None
+    with open("/proc/self/maps") as maps:
+        assert not [line for line in maps if d in line]

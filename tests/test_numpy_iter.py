@@ -247,3 +247,28 @@ def test_numpy_batches_reuse_freed_memory(tmp_path, run_script):
     # page-cache pages once (a few thousand refaults seen in one epoch under a busy
     # suite), which says nothing about the heap.
     assert min(faults[2:]) < batch_pages // 10, faults
+
+
+@pytest.mark.parametrize("how", ["numpy", "python loop"])
+def test_tiny_batches_come_in_units_of_a_bounded_number_of_batches(tmp_path, monkeypatch, how):
+    # Units were sized by bytes only: 300,000 samples of 1 byte in batches of 1 made one
+    # unit of 300,000 arrays before the first batch (a million took 15.7 s and 395 MB).
+    from keras_tfr.read import mapped
+
+    n = 300_000
+    x = (np.arange(n) % 251).astype(np.uint8)
+    d = str(tmp_path / "ds")
+    ArraysToRecords.from_arrays(x, x, d, verbose=0)
+    made = []
+    original = mapped.MappedPlan.gather_batches
+
+    def counted(self, ids, aligned=False):
+        out = original(self, ids, aligned)
+        made.append(len(out))  # batches, each a list of arrays (one per feature)
+        return out
+
+    monkeypatch.setattr(mapped.MappedPlan, "gather_batches", counted)
+    src = TFRecordSequenceSource(d, batch_size=1, seed=0)
+    first = next(src.as_numpy_iterator() if how == "numpy" else iter(src))
+    assert np.asarray(first[0]).tolist() == x[src.sample_order(0)[:1]].tolist()
+    assert made and max(made) <= mapped._UNIT_BATCHES < n

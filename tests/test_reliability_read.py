@@ -650,6 +650,46 @@ def test_verify_reports_missing_shard_and_bad_checksums(dataset):
         assert any("checksum" in p for p in report.problems[name])
 
 
+@pytest.mark.parametrize("where", ["open", "tensorflow"])
+def test_verify_names_a_shard_it_cannot_open_and_checks_the_others(dataset, monkeypatch, where):
+    # A shard there but unreadable (chmod 000, as another user) escaped as TensorFlow's
+    # PermissionDeniedError with a traceback: no report, no other shard checked.
+    import tensorflow as tf
+
+    from keras_tfr import _io
+
+    d, _, _, m = dataset
+    f = [s.file for s in m.shards]
+    locked = os.path.join(d, f[1])
+    if where == "open":
+        real_open = _io.open_read
+
+        def open_read(path):
+            if path == locked:
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path)
+
+        monkeypatch.setattr(_io, "open_read", open_read)
+        want = "the file cannot be opened (Permission denied)"
+    else:  # the reader TensorFlow opens itself (the compressed shards' path)
+        from keras_tfr._compat import tf as compat_tf
+
+        monkeypatch.setattr(compat_tf, "random_record_reader", None)  # its fallback
+        real_iterator = tf.compat.v1.io.tf_record_iterator
+
+        def iterator(path, options=None):
+            if path == locked:
+                raise tf.errors.PermissionDeniedError(None, None, f"{path}; Permission denied")
+            return real_iterator(path, options)
+
+        monkeypatch.setattr(tf.compat.v1.io, "tf_record_iterator", iterator)
+        want = "Permission denied"
+    report = verify(d)
+    assert sorted(report.problems) == [f[1]]
+    assert any(want in p for p in report.problems[f[1]]), report.problems
+    assert report.shards_checked == 4
+
+
 def test_verify_reports_count_mismatch(dataset):
     d, _, _, m = dataset
 

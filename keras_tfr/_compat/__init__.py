@@ -290,6 +290,17 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.ops.script_ops",
+        "_internal_py_func",
+        "tensorflow",
+        _TF,
+        "keeps each Python function numpy_function traces outside a graph in the default "
+        "graph's _py_funcs_used_in_graph list for the process's life: a source takes its "
+        "own out of that list when it is collected, so that its memory map goes with it",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.eager.context",
         "context()._seed",
         "tensorflow",

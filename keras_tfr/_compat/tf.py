@@ -16,6 +16,12 @@ imported until an accessor runs: importing this module does not load TensorFlow.
   `tf.data.Dataset` reads (``source.map(f)`` reads the source), so that Keras' JAX and
   torch trainers' build from one batch uses up no epoch of a source inside one
   (`keras_tfr._compat.keras_build`).
+* ``tensorflow.python.ops.script_ops._internal_py_func`` keeps every Python function that
+  `tf.numpy_function` or `tf.py_function` traces outside a graph in the process's default
+  graph (``ops.get_default_graph()._py_funcs_used_in_graph``) for as long as the process
+  runs (TensorFlow issue 61344): a source's pipeline functions, and through them its
+  memory map, outlived the source. `eager_py_funcs` hands that list to the source, which
+  takes its own functions out of it when it is collected.
 * ``tensorflow.python.lib.io._pywrap_record_io.RandomRecordReader``: reads one TFRecord
   at a byte offset, so that `keras_tfr.verifier` can name the offset of a bad record.
 """
@@ -30,6 +36,7 @@ if TYPE_CHECKING:  # for annotations only: TensorFlow loads when an accessor run
 __all__ = [
     "OwnedIterator",
     "dataset_inputs",
+    "eager_py_funcs",
     "get_global_seed",
     "owned_iterator",
     "random_record_reader",
@@ -62,6 +69,20 @@ def dataset_inputs(dataset: Any) -> list[Any]:
         return list(inputs())
     except Exception:  # a data set type that does not implement it
         return []
+
+
+def eager_py_funcs() -> list[Any] | None:
+    """TensorFlow's list of the Python functions traced by `tf.numpy_function` and
+    `tf.py_function` outside a graph (the default graph's ``_py_funcs_used_in_graph``,
+    made here as TensorFlow makes it when it is not there yet); None where it is not a
+    list."""
+    from tensorflow.python.framework import ops
+
+    graph = ops.get_default_graph()
+    if not hasattr(graph, "_py_funcs_used_in_graph"):
+        graph._py_funcs_used_in_graph = []
+    funcs = graph._py_funcs_used_in_graph
+    return funcs if isinstance(funcs, list) else None
 
 
 def _eager_context() -> Any:
