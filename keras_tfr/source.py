@@ -728,6 +728,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             skip=skip if opts.on_corrupt == "skip" else None,
             lattice=m.lattice,
             checksums=[s.checksum for s in m.shards],
+            written_again=functools.partial(_written_again, m),
         )
         self._mapped_plan = plan
         structure = self._structure_fn() if not self._decode else (lambda d: d)
@@ -739,6 +740,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         if m.lattice is not None:
             try:
                 region = plan.lattice_tensors()
+            except mapped.MapLimitError:
+                raise  # not DLPack's: the shards cannot be mapped at all
             except Exception as e:  # a platform where DLPack cannot alias the mapping
                 log.warning(
                     "keras-tfr: TensorFlow cannot gather from the mapped shards of %s "
@@ -931,6 +934,14 @@ class TFRecordSequenceSource(tf.data.Dataset):
 def _rows(rows: int) -> Callable[[Any], Any]:
     """Sets the static batch dimension (where every batch is full)."""
     return lambda t: tf.ensure_shape(t, [rows, *t.shape[1:]])
+
+
+def _written_again(manifest: Manifest) -> bool:
+    """Whether ``manifest``'s directory holds another data set now (written again)."""
+    from keras_tfr.manifest import written_again
+
+    shards = [(s.file, s.bytes, s.checksum) for s in manifest.shards]
+    return written_again(manifest.directory, shards) is not None
 
 
 _BUILD_LOCK = threading.Lock()  # one pipeline built at a time: see `_py_funcs_of`

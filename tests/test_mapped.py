@@ -917,3 +917,66 @@ def test_a_dropped_source_unmaps_its_shards_though_checking_threads_helped(tmp_p
     assert region() is None
     with open("/proc/self/maps") as maps:
         assert not [line for line in maps if d in line]
+
+
+@pytest.mark.parametrize("read_first", [True, False])
+def test_a_copy_made_from_a_manifest_since_written_again_refuses_the_new_shards(
+    tmp_path, read_first
+):
+    # A copy (`replace`) keeps its source's manifest. Once another source had mapped the
+    # shards written again (same names and sizes), the copy trusted that mapping: its
+    # records pass their own checks, and it read the new data under the old manifest.
+    d = str(tmp_path / "ds")
+
+    def write(tag):
+        x = np.full((2000, 16), float(tag), np.float32)
+        y = np.full(2000, tag, np.int64)
+        ArraysToRecords.from_arrays(
+            x, y, d, shard_size="64KB", record_size="8KB", verbose=0, overwrite=True
+        )
+
+    def labels(src):
+        return {int(v) for b in src.as_numpy_iterator() for v in b[1]}
+
+    write(1)
+    old = TFRecordSequenceSource(d, batch_size=500, seed=0)
+    if read_first:
+        assert labels(old) == {1}
+    write(2)
+    if read_first:  # another source maps the new shards first
+        assert labels(TFRecordSequenceSource(d, batch_size=500, seed=0)) == {2}
+    stale = old.replace(validation_split=0.1, subset="validation")
+    with pytest.raises(CorruptRecordError, match="no longer holds the records its manifest"):
+        labels(stale)
+
+
+@pytest.mark.parametrize("lattice", [True, False])
+def test_running_out_of_memory_maps_is_an_error_that_says_so(tmp_path, monkeypatch, lattice):
+    # Linux allows a process vm.max_map_count maps (65,530 by default); sample mode takes
+    # one per shard. Out of them, shards were counted as damaged ("cannot be memory-mapped
+    # (Cannot allocate memory)") and the next error was "can't start new thread".
+    import ctypes
+    import errno
+    import mmap as mmap_module
+
+    d = str(tmp_path / "ds")
+    x = np.arange(400, dtype=np.float32).reshape(100, 4)
+    ArraysToRecords.from_arrays(x, np.arange(100), d, lattice=lattice, verbose=0)
+    real = mapped._libc()
+
+    class OutOfMaps:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def mmap(self, addr, length, prot, flags, fd, offset):
+            if fd >= 0 and flags & mmap_module.MAP_SHARED:
+                ctypes.set_errno(errno.ENOMEM)
+                return ctypes.c_void_p(-1).value
+            return real.mmap(addr, length, prot, flags, fd, offset)
+
+    monkeypatch.setattr(mapped, "_libc", lambda: OutOfMaps())
+    with pytest.raises(OSError, match=r"out of memory maps .*access='blocks'") as info:
+        src = TFRecordSequenceSource(d, batch_size=10, seed=0, access="samples")
+        next(src.as_numpy_iterator())
+    assert info.value.errno == errno.ENOMEM
+    assert "shard-00000.tfrecord" in str(info.value)

@@ -873,7 +873,7 @@ except OSError as e:
     [
         (2000, 100_000, "shard-00000.tfrecord.tmp", 0),  # the first shard cannot be written
         (400, 300, ".keras-tfr-progress.json", 0),  # nor the journal of the first shard
-        (1500, 300, ".keras-tfr-progress.json", 7),  # the journal outgrows the limit
+        (1500, 300, ".keras-tfr-progress.json", 11),  # the journal outgrows the limit
     ],
 )
 def test_a_full_disk_names_the_file_and_leaves_no_partial_file(
@@ -930,3 +930,36 @@ def test_no_space_left_names_the_shard(tmp_path, monkeypatch):
     assert "Could not write the shard " + os.path.join(d, "shard-") in str(e.value)
     assert str(e.value).endswith(".tfrecord.tmp: No space left on device")
     assert not [n for n in _listdir(d) if ".tmp" in n], _listdir(d)
+
+
+def test_the_journal_encodes_each_shard_once(tmp_path, monkeypatch):
+    # The journal is rewritten after every shard: encoding every shard's entry again each
+    # time (indented) made writing quadratic (2,000 shards 10.1 s, 1,000 2.6 s).
+    from keras_tfr.write import journal
+
+    encoded = []
+    original = journal._shard_json
+
+    def counting(shard):
+        encoded.append(shard.file)
+        return original(shard)
+
+    monkeypatch.setattr(journal, "_shard_json", counting)
+    seen = []
+    real_write = journal._io.write_atomic
+
+    def keep(path, data, durable=True):
+        if path.endswith(journal.PROGRESS_NAME):
+            seen.append(json.loads(data))
+        return real_write(path, data, durable=durable)
+
+    monkeypatch.setattr(journal._io, "write_atomic", keep)
+    x = np.arange(600 * 2, dtype=np.float32).reshape(600, 2)
+    m = ArraysToRecords.from_arrays(
+        x, None, str(tmp_path / "ds"), samples_per_record=10, min_shards=30, verbose=0
+    )
+    assert len(m.shards) == 30
+    assert sorted(encoded) == sorted(s.file for s in m.shards)  # once each
+    assert [len(j["shards"]) for j in seen] == list(range(1, 31))
+    assert seen[-1]["shards"] == [s.to_json() for s in m.shards]
+    assert seen[-1]["records_per_shard"] == m.shards[0].records

@@ -290,6 +290,16 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.framework.ops",
+        "get_default_graph",
+        "tensorflow",
+        _TF,
+        "the graph whose _py_funcs_used_in_graph list holds the Python functions "
+        "numpy_function traces outside a graph (see the entry below)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.ops.script_ops",
         "_internal_py_func",
         "tensorflow",

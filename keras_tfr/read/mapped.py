@@ -69,6 +69,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import functools
 import math
 import mmap
@@ -195,6 +196,29 @@ def frame_bytes(
 # --------------------------------------------------------------------------- region
 
 
+class MapLimitError(OSError):
+    """A shard could not be mapped for want of room in the process's memory maps: Linux
+    allows a process ``vm.max_map_count`` of them (65,530 by default), and sample mode
+    takes one per shard. Raised, not counted as that shard's damage: it says nothing of
+    the data."""
+
+    def __init__(self, path: str, index: int, shards: int):
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = f"vm.max_map_count = {int(f.read())}"
+            with open("/proc/self/maps") as f:
+                used = f"{sum(1 for _ in f)} in use"
+        except (OSError, ValueError):
+            limit, used = "the system's limit", "count unknown"
+        super().__init__(
+            errno.ENOMEM,
+            f"keras-tfr: cannot memory-map {path} (shard {index + 1} of {shards}): the "
+            f"process has run out of memory maps ({limit}, {used}); sample mode maps "
+            "each shard. Read this data set with access='blocks', write it in fewer, "
+            "larger shards, or raise the limit (sysctl -w vm.max_map_count=...).",
+        )
+
+
 class _Region:
     """Every shard mapped read-only, in order, into one reserved range of addresses.
 
@@ -275,6 +299,8 @@ class _Region:
                 )
                 if got != self.base + int(self.starts[k]):
                     err = ctypes.get_errno()
+                    if err == errno.ENOMEM:
+                        raise MapLimitError(path, k, len(self.files))
                     self.problems[k] = f"the file cannot be memory-mapped ({os.strerror(err)})"
                     return
             self.sizes[k] = size
@@ -347,8 +373,12 @@ class MappedPlan:
         skip: Callable[[str, int, int, int, str], None] | None,
         lattice: Lattice | None = None,
         checksums: list[str] | None = None,
+        written_again: Callable[[], bool] | None = None,
     ):
         self.specs = specs
+        # Whether the data set's manifest.json no longer lists these shards (asked once,
+        # when the shards are first mapped).
+        self._written_again = written_again
         self.files = files
         # The manifest's `crc32c:xxxxxxxx` per shard: a shard changed on disk must still
         # hold the records the manifest lists (`_forget_remapped`).
@@ -434,8 +464,14 @@ class MappedPlan:
                 self._region = shared_region(self.files, self.shard_bytes, period)
                 # The files this plan's checks were made on (another plan may remap the
                 # shared region): a shard whose mapped file is not one of them is
-                # checked again.
+                # checked again. A region some plan has mapped again, or a data set
+                # written again since this plan's manifest was read, may map files
+                # other than the manifest's, whose records pass their own checks: then
+                # every shard is checked again, its checksum against the manifest's
+                # (`_other_records`), when the first epoch starts.
                 self._checked_files = list(self._region.signatures)
+                if self._region.remaps or (self._written_again and self._written_again()):
+                    self._checked_files = [None] * len(self.files)
                 self._seen_remaps = self._region.remaps
                 arr = self._region_array = self._region.array
                 # Per feature, a read-only "sliding window": row i is the sample_bytes

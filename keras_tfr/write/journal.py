@@ -184,14 +184,32 @@ def _verified_prefix(probe: Manifest) -> list[ShardInfo]:
     return kept
 
 
-def write_journal(directory: str, layout: Layout, shards: list[ShardInfo]) -> None:
-    """Records the completed `shards` (not synced: `resume` checks every shard it keeps)."""
-    journal = {
+def write_journal(
+    directory: str, layout: Layout, shards: list[ShardInfo], encoded: list[str] | None = None
+) -> None:
+    """Records the completed `shards` (not synced: `resume` checks every shard it keeps).
+
+    ``encoded``: the caller's list of the shards' entries encoded so far (the journal is
+    rewritten, whole, after every shard; the caller drops the entries of shards it takes
+    back). Encoding every shard's entry again each time, indented, made writing
+    quadratic: 2,000 shards took 10.1 s, 1,000 2.6 s. Now each entry is encoded once
+    and the journal is one compact line.
+    """
+    if encoded is None:
+        encoded = []
+    del encoded[len(shards) :]
+    encoded.extend(_shard_json(s) for s in shards[len(encoded) :])
+    head = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "writer_version": __version__,
         "records_per_shard": layout.records_per_shard,
         "config": layout.config(),
-        "shards": [s.to_json() for s in shards],
     }
-    _io.write_json_atomic(_io.join(directory, PROGRESS_NAME), journal, durable=False)
+    text = json.dumps(head, separators=(",", ":"))[:-1]  # without its closing brace
+    data = f'{text},"shards":[{",".join(encoded)}]}}\n'.encode()
+    _io.write_atomic(_io.join(directory, PROGRESS_NAME), data, durable=False)
+
+
+def _shard_json(shard: ShardInfo) -> str:
+    return json.dumps(shard.to_json(), separators=(",", ":"))

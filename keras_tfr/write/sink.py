@@ -223,6 +223,7 @@ class ShardFiles:
         self.directory = directory
         self.layout = layout
         self.shards = list(shards)  # complete and renamed, resumed ones included
+        self._journal_entries: list[str] = []  # `write_journal`'s encoded shards
         self._file: Any = None
         self._tmp = ""
         self._samples = self._records = self._crc = 0
@@ -299,9 +300,10 @@ class ShardFiles:
         # Journal first, then rename: a kill in between leaves a journal entry whose file
         # is missing (resume checks and rewrites it), never a shard no journal lists.
         try:
-            write_journal(self.directory, self.layout, self.shards)
+            write_journal(self.directory, self.layout, self.shards, self._journal_entries)
         except BaseException:  # a disk full: the shard the journal could not list goes
             self.shards.pop()
+            del self._journal_entries[len(self.shards) :]
             with contextlib.suppress(OSError):
                 _io.remove(self._tmp)
             raise
