@@ -979,11 +979,18 @@ def _py_funcs_of(owned: set[int]) -> Iterator[None]:
 
 
 def _forget_py_funcs(owned: set[int]) -> None:
-    """Takes the functions ``owned`` names out of TensorFlow's list (see `_py_funcs_of`)."""
-    from keras_tfr._compat import tf as compat_tf
+    """Takes the functions ``owned`` names out of TensorFlow's list (see `_py_funcs_of`).
+    Run by the garbage collector: it raises nothing (at the process's end TensorFlow's
+    modules may be gone, and then the list goes with them)."""
+    if not owned:
+        return
+    try:
+        from keras_tfr._compat import tf as compat_tf
 
-    funcs = compat_tf.eager_py_funcs()
-    if not owned or funcs is None:
+        funcs = compat_tf.eager_py_funcs()
+    except Exception:
+        return
+    if funcs is None:
         return
     for f in [f for f in funcs if id(f) in owned]:
         with contextlib.suppress(ValueError):  # already gone
