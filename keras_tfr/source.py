@@ -972,10 +972,12 @@ def _py_funcs_of(owned: set[int]) -> Iterator[None]:
 
     funcs = compat_tf.eager_py_funcs()
     with _BUILD_LOCK:
-        before = len(funcs) if funcs is not None else 0
+        # By identity, not by position: a collected source may take its functions out of
+        # the list meanwhile (the collector can run during a build).
+        before = {id(f) for f in funcs} if funcs is not None else set()
         yield
         if funcs is not None:
-            owned.update(id(f) for f in funcs[before:] if _ours(f))
+            owned.update(id(f) for f in list(funcs) if id(f) not in before and _ours(f))
 
 
 def _forget_py_funcs(owned: set[int]) -> None:
