@@ -362,6 +362,29 @@ class TFRecordSequenceSource(tf.data.Dataset):
         """Whether `as_numpy_iterator` reads straight from the memory-mapped reader."""
         return getattr(self, "_mapped_plan", None) is not None and not self._decode
 
+    def __reduce__(self) -> Any:
+        """Refuses pickling (and `copy.deepcopy`, which pickles) with what to do instead:
+        a source holds a memory map, threads and TensorFlow's state, so it failed deep
+        inside, as "cannot pickle '_thread.lock' object"."""
+        raise TypeError(
+            f"keras-tfr: a TFRecordSequenceSource ({self._cfg.directory}) cannot be pickled "
+            "or deep-copied: it holds a memory map, threads and TensorFlow's state. In "
+            "another process, make one from its arguments: c = source.config (picklable), "
+            "then TFRecordSequenceSource(c.directory, **c.as_kwargs()) there (give seed= "
+            "for the same orders); in this process, source.replace(...) makes a copy."
+        )
+
+    def __copy__(self) -> TFRecordSequenceSource:
+        """`copy.copy`: a new object sharing this one's state (its epochs included), as
+        Python's default shallow copy made before `__reduce__` refused pickling."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        # The original lives as long as the copy: it takes its pipeline's Python functions
+        # out of TensorFlow's list when it is collected (`_forget_py_funcs`), and the copy
+        # runs the same pipeline.
+        new._copy_of = self
+        return new
+
     def __repr__(self) -> str:
         return (
             f"<TFRecordSequenceSource {self._cfg.directory!r}: {self._num_samples} "

@@ -242,3 +242,27 @@ def test_an_epoch_set_mid_way_is_read_whole_by_a_data_set_made_from_the_source(
         src, epochs=1, verbose=0, class_weight={k: 1.0 for k in range(104)}, callbacks=[batch_end]
     )
     assert steps == list(range(13))
+
+
+def test_a_source_says_it_cannot_be_pickled_and_copy_copy_still_reads(make_dataset):
+    # Pickling (multiprocessing's "spawn", copy.deepcopy) failed deep inside, as "cannot
+    # pickle '_thread.lock' object".
+    import copy
+    import gc
+    import pickle
+
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    d = make_dataset(x, np.arange(20))
+    src = TFRecordSequenceSource(d, batch_size=8, seed=0, shuffle=False)
+    for attempt in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"cannot be pickled.*source\.config"):
+            attempt(src)
+    c = src.config  # what the message says to send instead
+    again = TFRecordSequenceSource(c.directory, **pickle.loads(pickle.dumps(c)).as_kwargs())
+    assert np.array_equal(np.concatenate([b[0] for b in again.as_numpy_iterator()]), x)
+    shallow = copy.copy(src)
+    del src
+    gc.collect()
+    gc.collect()  # the original, then what it held: the copy still runs its pipeline
+    got = np.concatenate([np.asarray(b[0]) for b in shallow.map(lambda a, b: (a, b))])
+    assert np.array_equal(got, x)
