@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_tfr import _checks, _io
-from keras_tfr._seeds import only_op_seeds
+from keras_tfr._seeds import drawn_seed, only_op_seeds
 from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, Manifest, parse_size
 
 if TYPE_CHECKING:  # only for annotations: TensorFlow loads when a function runs
@@ -548,7 +548,9 @@ def from_tfrecords(
             the files in the given order.
         seed: makes the shuffle reproducible: the same `seed` gives the same order whether
             or not `keras.utils.set_random_seed` was called. Any int from -2**63 to
-            2**63 - 1.
+            2**63 - 1. ``None``: a seed drawn from NumPy's global random state when the
+            data set is made, so that `keras.utils.set_random_seed` makes the order
+            reproducible, as it makes Keras' shuffle of NumPy arrays.
         shuffle_memory: the shuffle buffer's size in bytes (``"64MB"``).
         drop_remainder: drop the last, partial batch.
         compression: ``None``, ``"GZIP"`` or ``"ZLIB"``: the files' compression.
@@ -608,7 +610,8 @@ def from_tfrecords(
             f"{len(paths)} file(s) hold {total} records: no batch of {batch_size} "
             f"(drop_remainder={drop_remainder})."
         )
-    deterministic = not (shuffle and seed is None)
+    if shuffle and seed is None:
+        seed = drawn_seed()  # `keras.utils.set_random_seed` decides it
     kept = [(p, c) for p, c in zip(paths, counts) if c]
     files = tf.data.Dataset.from_tensor_slices([p for p, _ in kept])
     if shuffle:
@@ -621,7 +624,7 @@ def from_tfrecords(
         # Not shuffled: whole files one after another, in the given order.
         block_length=1 if shuffle else max(c for _, c in kept),
         num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=deterministic,
+        deterministic=True,  # the seed alone decides the order
     )
     if shuffle:
         mean_record = max(1, sum(_stat(p)[0] for p, _ in kept) // max(1, total))
@@ -647,7 +650,7 @@ def from_tfrecords(
         return values[0] if len(values) == 1 else tuple(values)
 
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
-    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     batches = batches.prefetch(tf.data.AUTOTUNE)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
     if _raw_roles:

@@ -149,6 +149,31 @@ def test_seed_alone_decides_the_order_whatever_set_random_seed_did(tmp_path):
         from_tfrecords(pattern, FEATURES, 7, y="label", seed=1 << 63)
 
 
+def test_without_a_seed_set_random_seed_makes_the_order_reproducible(tmp_path):
+    """As for Keras' shuffle of NumPy arrays: ``seed=None`` draws from the global state."""
+    import keras
+
+    _write_tutorial(tmp_path, n=90, files=6)
+    pattern = str(tmp_path / "*.tfrecord")
+
+    def two_epochs():
+        ds = from_tfrecords(pattern, FEATURES, 7, y="label", shuffle_memory=2000)
+        return _labels(ds), _labels(ds)
+
+    try:
+        keras.utils.set_random_seed(11)
+        first = two_epochs()
+        keras.utils.set_random_seed(11)
+        again = two_epochs()
+        keras.utils.set_random_seed(12)
+        other = two_epochs()
+    finally:
+        tf.random.set_seed(None)
+    assert first == again
+    assert first[0] != first[1], "each epoch reshuffles"
+    assert other != first and sorted(other[0]) == sorted(first[0])
+
+
 def test_variable_length_feature_padded_or_ragged(tmp_path):
     _, _, tokens = _write_tutorial(tmp_path)
     feats = {**FEATURES, "tokens": tf.io.VarLenFeature(tf.int64)}
