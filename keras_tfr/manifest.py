@@ -495,22 +495,33 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 
 
 def written_again(directory: str, shards: Sequence[tuple[str, int, str | None]]) -> str | None:
-    """Why the data set in ``directory`` is no longer the one whose shards are ``shards``
-    (``(file, bytes, checksum)`` each, a checksum None when unknown): it was written again
-    (``overwrite=True``) after a source read its manifest. None while its manifest.json
-    lists those shards, and when that file exists but cannot be read (nothing to tell).
+    """What became of the data set in ``directory`` since a source read the manifest
+    whose shards are ``shards`` (``(file, bytes, checksum)`` each, a checksum None when
+    unknown), as a clause after "the data set": it was written again (``overwrite=True``),
+    or its manifest or its whole directory is gone (deleted, or moved away). None while
+    its manifest.json lists those shards, and when that file exists but cannot be read
+    (nothing to tell).
 
     Example:
         >>> written_again(m.directory, [(s.file, s.bytes, s.checksum) for s in m.shards])
+        'was written again after this source was made (its manifest.json lists other shards)'
     """
     path = _io.join(directory, MANIFEST_NAME)
     try:
         now = Manifest.from_json_bytes(_io.read_bytes(path), source=path)
     except FileNotFoundError:
-        return f"its {MANIFEST_NAME} is gone"
+        try:
+            there = _io.exists(directory)
+        except Exception:
+            there = True  # nothing to tell: say what is known
+        if not there:
+            return "was moved or deleted after this source was made (its directory is gone)"
+        return (
+            f"was deleted or written again after this source was made (its {MANIFEST_NAME} is gone)"
+        )
     except Exception:
         return None
-    other = f"its {MANIFEST_NAME} lists other shards"
+    other = f"was written again after this source was made (its {MANIFEST_NAME} lists other shards)"
     if len(now.shards) != len(shards):
         return other
     for s, (file, size, checksum) in zip(now.shards, shards):

@@ -395,6 +395,23 @@ def test_a_data_set_whose_manifest_is_gone_under_a_source_is_named_so(tmp_path, 
         _epoch(src)
 
 
+@pytest.mark.parametrize("access", ["samples", "blocks"])
+def test_a_data_set_moved_away_under_a_source_is_named_so(tmp_path, access):
+    """docs/reliability.md: a data set directory moved (or deleted) under a source is
+    said to be gone at the next epoch, not "written again"."""
+    d = str(tmp_path / "ds")
+    x = np.arange(3_000 * 64, dtype=np.float32).reshape(3_000, 64)
+    ArraysToRecords.from_arrays(x, np.arange(3_000), d, record_size="64KB", verbose=0)
+    src = TFRecordSequenceSource(d, batch_size=500, seed=0, access=access)
+    _epoch(src)
+    os.rename(d, str(tmp_path / "elsewhere"))
+    with pytest.raises(CorruptRecordError) as caught:
+        _epoch(src)
+    said = str(caught.value)
+    assert "was moved or deleted after this source was made (its directory is gone)" in said
+    assert "written again" not in said
+
+
 @pytest.mark.parametrize("verify", ["first_read", "every_epoch"])
 def test_shard_replaced_by_a_copy_of_another_is_refused(data, caplog, verify):
     """Every record of the copy passes its CRC and layout checks; the shard's checksum

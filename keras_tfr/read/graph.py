@@ -137,8 +137,8 @@ class GraphReader:
         if why is None:
             return ""
         return (
-            f"keras-tfr: corrupt records: the data set in {m.directory} was written again "
-            f"after this source was made ({why}): make a new TFRecordSequenceSource"
+            f"keras-tfr: corrupt records: the data set in {m.directory} {why}: make a new "
+            "TFRecordSequenceSource"
         )
 
     def epoch(self, epoch: Any) -> tf.data.Dataset:

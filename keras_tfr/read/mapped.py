@@ -741,8 +741,8 @@ class MappedPlan:
         )
         if why is not None:
             problem = (
-                f"the data set was written again after this source was made ({why}): make "
-                f"a new TFRecordSequenceSource. This source's view of that shard: {problem}"
+                f"the data set {why}: make a new TFRecordSequenceSource. This source's "
+                f"view of that shard: {problem}"
             )
         if self.skip is None:
             raise ValueError(
