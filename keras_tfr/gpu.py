@@ -649,7 +649,8 @@ def keep_tensorflow_off_gpus() -> str:
         - ``"too-late"``: TensorFlow had already started with its GPUs (warned).
 
     Raises:
-        ValueError: ``KERAS_TFR_TF_GPU`` is neither ``1``/``true`` nor ``0``/``false``.
+        ValueError: ``KERAS_TFR_TF_GPU`` is none of ``1``/``true``/``yes`` and
+            ``0``/``false``/``no`` (any case), nor empty.
 
     Example:
 

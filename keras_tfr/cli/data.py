@@ -156,7 +156,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--y", action="append", metavar="SPEC", help="targets")
     parser.add_argument("--sample-weight", metavar="SPEC", help="per-sample weights")
     add_size_arguments(parser)
-    parser.add_argument("--compression", choices=["GZIP", "ZLIB"], help="shard compression")
+    parser.add_argument(
+        "--compression",
+        type=str.upper,
+        choices=["GZIP", "ZLIB"],
+        help="shard compression (any case)",
+    )
     parser.add_argument("--min-shards", type=int, default=8, help="write at least N shards")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing data set")
     parser.add_argument("--resume", action="store_true", help="continue an unfinished conversion")

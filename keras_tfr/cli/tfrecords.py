@@ -66,10 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--y", action="append", metavar="NAME", help="target feature(s)")
     parser.add_argument("--sample-weight", metavar="NAME", help="per-sample weight feature")
     parser.add_argument(
-        "--compression", choices=["GZIP", "ZLIB"], help="compression of the source files"
+        "--compression",
+        type=str.upper,
+        choices=["GZIP", "ZLIB"],
+        help="compression of the source files (any case)",
     )
     parser.add_argument(
-        "--output-compression", choices=["GZIP", "ZLIB"], help="compression of the new shards"
+        "--output-compression",
+        type=str.upper,
+        choices=["GZIP", "ZLIB"],
+        help="compression of the new shards (any case)",
     )
     add_size_arguments(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
