@@ -217,6 +217,40 @@ def test_fit_on_a_data_set_made_from_a_source_reads_its_epochs_in_order(learnabl
     assert res == {k: [[0, 1]] for k in ["map", "repeat", "zip"]}, res
 
 
+PREDICT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import keras
+    from keras_tfr import TFRecordSequenceSource
+
+    d, xs = sys.argv[1], np.load(sys.argv[2])
+    src = TFRecordSequenceSource(d, batch_size=32, seed=0)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Dense(2)])  # unbuilt: predict builds it
+    pred = model.predict(src, verbose=0)
+    direct = [keras.ops.convert_to_numpy(model(xs[src.sample_order(e)])) for e in range(3)]
+    after = next(src.as_numpy_iterator())[0]
+    print(json.dumps({
+        "predicted": [e for e in range(3) if np.allclose(pred, direct[e], atol=1e-5)],
+        "next": [e for e in range(4) if np.array_equal(after, xs[src.sample_order(e)[:32]])],
+    }))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_predict_building_an_unbuilt_model_reads_the_epoch_tensorflow_reads(learnable, backend):
+    """JAX's `predict` builds an unbuilt model from one batch of a fresh iterator: for a
+    source that used up epoch 0, so the predictions followed epoch 1's order and the
+    next iterator read epoch 2 (TensorFlow and torch: epochs 0, then 1)."""
+    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
+    res = _run_json(PREDICT_SCRIPT, backend, *learnable)
+    assert res == {"predicted": [0], "next": [1]}, res
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["jax", "torch"])

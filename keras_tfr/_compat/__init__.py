@@ -7,7 +7,8 @@ relies on it. The code that touches them lives in this package only:
 * `keras_tfr._compat.keras_shuffle`: Keras' "`shuffle=True` ... will be ignored" warning,
   off for keras-tfr sources (``EpochIterator.__init__``);
 * `keras_tfr._compat.keras_build`: the JAX and torch trainers' build from one batch
-  uses up no epoch of a source (``Trainer._symbolic_build``);
+  uses up no epoch of a source (``Trainer._symbolic_build``; JAX's ``predict``, with
+  ``EpochIterator.reset``);
 * `keras_tfr._compat.keras_split`: ``fit(source, validation_split=...)`` says how a
   source splits itself (``array_slicing.train_validation_split``);
 * `keras_tfr._compat.keras_errors`: damaged-data errors inside ``fit`` become
@@ -104,6 +105,26 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         _KERAS,
         "wrapped to hold a source's epoch while the JAX and torch trainers build an unbuilt "
         "model from one batch of a fresh iterator (it used up epoch 0)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_build",
+    ),
+    PrivateAPI(
+        "keras.src.backend.jax.trainer",
+        "JAXTrainer.predict",
+        "jax",
+        _JAX,
+        "wrapped (Keras 3.15's JAX trainer) to hold a source's epoch while predict builds an "
+        "unbuilt model from one batch, until its epoch iterator's reset (it used up an epoch)",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.keras_build",
+    ),
+    PrivateAPI(
+        _EPOCH_ITERATOR,
+        "EpochIterator.reset",
+        "keras",
+        _KERAS,
+        "wrapped under the JAX backend: the end of JAX predict's build, where a source's "
+        "held epoch is released",
         ("keras_tfr.source",),
         "keras_tfr._compat.keras_build",
     ),
@@ -441,14 +462,25 @@ def _deep_checks() -> list[tuple[str, Callable[[], list[str]]]]:
             return [str(e)]
         return []
 
-    return [("keras", shuffle), ("keras", errors), ("keras", resume), ("keras", dist)]
+    def build() -> list[str]:
+        from keras_tfr._compat import keras_build
+
+        return keras_build.check_private_api()
+
+    return [
+        ("keras", shuffle),
+        ("keras", errors),
+        ("keras", resume),
+        ("keras", dist),
+        ("jax", build),
+    ]
 
 
 def check_all() -> list[str]:
     """Imports and resolves every entry of `PRIVATE_APIS`; says what moved.
 
     Entries of libraries that are not installed are skipped. The four Keras modules'
-    own checks (signatures, the code around each hook) run too.
+    own checks and the JAX trainer's (signatures, the code around each hook) run too.
 
     Returns:
         One readable line per problem, naming the API, its home in keras-tfr and the
