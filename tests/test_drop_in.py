@@ -171,6 +171,47 @@ def test_a_batch_size_given_to_fit_that_the_source_ignores_is_said_once(make_dat
     assert len(steps) == 20  # 2 epochs of 10 steps: the source's batches of 32
 
 
+def test_fit_asking_for_another_order_than_the_source_reads_is_said_once(make_dataset, caplog):
+    """`fit(x, y)` shuffles by default and `fit(x, y, shuffle=False)` keeps the written
+    order; Keras does neither for a data set. Where fit's `shuffle` asks for the order the
+    source does not give, the log says which one is read and how to get the other (once
+    per source); validation data, `evaluate` and `predict` are not trained on."""
+    import keras
+
+    x = np.arange(320, dtype=np.float32)[:, None]
+    d = make_dataset(x, x[:, 0])
+    ordered = TFRecordSequenceSource(d, batch_size=32, shuffle=False)
+    shuffled = TFRecordSequenceSource(d, batch_size=32, seed=0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+
+    def said_after(*calls):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="keras_tfr"):
+            for call in calls:
+                call()
+        return [r.getMessage() for r in caplog.records if "fit" in r.getMessage()]
+
+    quiet = said_after(
+        lambda: model.fit(shuffled, validation_data=ordered, epochs=1, verbose=0),
+        lambda: model.fit(ordered, shuffle=False, epochs=1, verbose=0),
+        lambda: model.evaluate(ordered, verbose=0),
+        lambda: model.predict(ordered, verbose=0),
+    )
+    assert quiet == []
+    said = said_after(
+        lambda: model.fit(ordered, epochs=1, verbose=0),  # fit's default: shuffle=True
+        lambda: model.fit(ordered, epochs=1, verbose=0),
+    )
+    assert len(said) == 1, said
+    assert "in written order, the same order every epoch" in said[0]
+    assert "source.replace(shuffle=True)" in said[0] and "fit(..., shuffle=False)" in said[0]
+    said = said_after(lambda: model.fit(shuffled, shuffle=False, epochs=2, verbose=0))
+    assert len(said) == 1, said
+    assert "fit(shuffle=False) does not change the order" in said[0]
+    assert "source.replace(shuffle=False)" in said[0]
+
+
 @pytest.mark.parametrize(
     "batch_size, split", [(100, None), (64, None), (50, 0.2), (64, 0.2), (1000, None)]
 )

@@ -40,6 +40,30 @@ def test_small_data_sets_split_by_sample_with_default_settings(tmp_path, n, spli
         assert not np.array_equal(np.sort(_ys(other)), np.sort(yva))
 
 
+@pytest.mark.parametrize("n, split", [(1001, 0.1), (999, 0.2), (1000, 0.1)])
+def test_keras_fit_on_arrays_validates_on_the_last_rows_the_readme_says(n, split):
+    """README: `fit(x, y, validation_split=v)` validates on the last
+    ``n - int(n * (1 - v))`` rows of the arrays, where a source draws
+    ``int(v * n)`` samples across the data set (above)."""
+    import keras
+
+    x = np.arange(n, dtype=np.float32)[:, None]
+    seen = []
+
+    class Record(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            if not training:
+                seen.append(keras.ops.convert_to_numpy(inputs)[:, 0])
+            return inputs
+
+    model = keras.Sequential([keras.Input((1,)), Record(), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", run_eagerly=True)
+    model.fit(x, x[:, 0], batch_size=64, epochs=1, validation_split=split, verbose=0)
+    rows = np.sort(np.concatenate(seen)).astype(np.int64)
+    k = n - int(n * (1 - split))
+    assert rows.tolist() == list(range(n - k, n))
+
+
 def test_one_sample_cannot_be_split(tmp_path):
     d = str(tmp_path / "ds")
     ArraysToRecords.from_arrays(np.zeros((1, 3), np.float32), np.zeros(1), d, verbose=0)

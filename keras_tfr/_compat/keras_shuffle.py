@@ -27,7 +27,11 @@ set), and when ``predict`` reads a source that
 shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator without
 ``y=``, ``fit``'s and ``evaluate``'s with it, so an iterator made without ``y`` is
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
-arrays keeps theirs.
+arrays keeps theirs. Only ``fit``'s training iterator is given ``class_weight=`` (its
+validation iterator and ``evaluate``'s are not): where ``fit``'s ``shuffle`` asks for
+another order than the source's own ``shuffle`` gives (``shuffle=True``, the default, on
+a source made with ``shuffle=False``, or ``shuffle=False`` on one that shuffles), a
+warning says which order is read and how to get the other.
 
 An iterator made for a source, or for a data set made from sources (``source.map(f)``,
 ``.take``, ``.repeat()``, Keras' ``class_weight`` map; found through tf.data's
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import sys
@@ -211,6 +216,8 @@ def install_shuffle_warning_filter() -> bool:
             bound = signature.bind(*args, **kwargs)
             x = bound.arguments.get("x")
             if _is_keras_tfr_source(x):
+                if "class_weight" in bound.arguments:  # only `fit`'s training iterator
+                    _warn_fit_order(x, bound.arguments.get("shuffle", True))
                 if bound.arguments.get("shuffle"):
                     # The source shuffles itself; for a tf.data.Dataset Keras' `shuffle`
                     # only warns.
@@ -255,6 +262,34 @@ def _warn_shuffled_predict(source: Any) -> None:
         "shuffle=False (source.replace(shuffle=False)).",
         source._cfg.directory,
     )
+
+
+def _warn_fit_order(source: Any, shuffle: Any) -> None:
+    """``fit(source, shuffle=...)``: Keras neither shuffles nor unshuffles a data set, so
+    the source's own ``shuffle`` decides the order. Said once per source where ``fit``'s
+    asks for the other one: ``shuffle=True`` (fit's default) on a source that reads in
+    written order, or ``shuffle=False`` on one that shuffles."""
+    if bool(shuffle) and not source._cfg.shuffle:
+        _warn_once(
+            source,
+            "_fit_order_warned",
+            "keras-tfr: fit reads %s in written order, the same order every epoch: the "
+            "source was made with shuffle=False, and fit's shuffle=True does not shuffle a "
+            "data set. For a new order each epoch, give fit source.replace(shuffle=True); "
+            "to train in written order, pass fit(..., shuffle=False), which also silences "
+            "this warning.",
+            source._cfg.directory,
+        )
+    elif not shuffle and source._cfg.shuffle:
+        _warn_once(
+            source,
+            "_fit_order_warned",
+            "keras-tfr: fit(shuffle=False) does not change the order of %s: the source "
+            "shuffles its samples itself (it was made with shuffle=True), a new order each "
+            "epoch, and fit's shuffle does not reach a data set. To train in written "
+            "order, give fit source.replace(shuffle=False).",
+            source._cfg.directory,
+        )
 
 
 def _warn_ignored_batch_size(source: Any, batch_size: Any) -> None:
@@ -312,4 +347,35 @@ def check_private_api() -> list[str]:
         )
     if not {"x", "shuffle"} <= set(inspect.signature(get_data_adapter).parameters):
         problems.append(f"{DATA_ADAPTERS_MODULE}.{GET_DATA_ADAPTER} lost `x` or `shuffle`")
+    problems += _check_fit_alone_passes_class_weight()
+    return problems
+
+
+def _check_fit_alone_passes_class_weight() -> list[str]:
+    """`_warn_fit_order` tells ``fit``'s training iterator by its ``class_weight=``: the
+    trainers installed must pass it in ``fit`` and not in ``evaluate`` or ``predict``."""
+    problems = []
+    for module, name, needs in [
+        ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer", "tensorflow"),
+        ("keras.src.backend.jax.trainer", "JAXTrainer", "jax"),
+        ("keras.src.backend.torch.trainer", "TorchTrainer", "torch"),
+    ]:
+        if importlib.util.find_spec(needs) is None:
+            continue
+        try:
+            trainer = getattr(importlib.import_module(module), name)
+            fit, evaluate, predict = (
+                inspect.getsource(inspect.unwrap(getattr(trainer, f)))
+                for f in ("fit", "evaluate", "predict")
+            )
+        except (ImportError, AttributeError, OSError, TypeError) as e:
+            problems.append(f"{module}.{name}: {e}")
+            continue
+        if "class_weight=class_weight" not in fit or any(
+            "class_weight" in body for body in (evaluate, predict)
+        ):
+            problems.append(
+                f"{module}.{name}: only fit should pass class_weight= to its epoch "
+                "iterator (keras_tfr._compat.keras_shuffle tells fit's iterator so)"
+            )
     return problems
