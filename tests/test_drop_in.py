@@ -212,6 +212,30 @@ def test_fit_asking_for_another_order_than_the_source_reads_is_said_once(make_da
     assert "source.replace(shuffle=False)" in said[0]
 
 
+def test_predict_on_a_source_that_drops_its_last_batch_says_how_many_it_reads(make_dataset, caplog):
+    """`predict` on arrays keeps every row; a source made with `drop_remainder=True`
+    leaves out its partial last batch, and the log says so (once per source)."""
+    import keras
+
+    x = np.arange(200, dtype=np.float32)[:, None]
+    d = make_dataset(x, x[:, 0])
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    kw = dict(batch_size=32, shuffle=False)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        whole = model.predict(
+            TFRecordSequenceSource(d, drop_remainder=True, batch_size=40, shuffle=False), verbose=0
+        )
+        assert len(whole) == 200 and not caplog.records  # 5 full batches: nothing left out
+        dropping = TFRecordSequenceSource(d, drop_remainder=True, **kw)
+        first = model.predict(dropping, verbose=0)
+        model.predict(dropping, verbose=0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(first) == 192
+    assert len(said) == 1, said
+    assert "predict reads 192 of the 200 samples" in said[0]
+    assert "source.replace(drop_remainder=False)" in said[0]
+
+
 @pytest.mark.parametrize(
     "batch_size, split", [(100, None), (64, None), (50, 0.2), (64, 0.2), (1000, None)]
 )

@@ -27,11 +27,13 @@ set), and when ``predict`` reads a source that
 shuffles: Keras' trainers (TensorFlow, JAX, torch) build ``predict``'s iterator without
 ``y=``, ``fit``'s and ``evaluate``'s with it, so an iterator made without ``y`` is
 ``predict``'s. Its predictions follow the source's shuffled order, where ``predict`` on
-arrays keeps theirs. Only ``fit``'s training iterator is given ``class_weight=`` (its
-validation iterator and ``evaluate``'s are not): where ``fit``'s ``shuffle`` asks for
-another order than the source's own ``shuffle`` gives (``shuffle=True``, the default, on
-a source made with ``shuffle=False``, or ``shuffle=False`` on one that shuffles), a
-warning says which order is read and how to get the other.
+arrays keeps theirs; and with ``drop_remainder=True``, a partial last batch's samples
+get none (a warning says how many are read). Only ``fit``'s training iterator is given
+``class_weight=`` (its validation iterator and ``evaluate``'s are not): where ``fit``'s
+``shuffle`` asks for another order than the source's own ``shuffle`` gives
+(``shuffle=True``, the default, on a source made with ``shuffle=False``, or
+``shuffle=False`` on one that shuffles), a warning says which order is read and how to
+get the other.
 
 An iterator made for a source, or for a data set made from sources (``source.map(f)``,
 ``.take``, ``.repeat()``, Keras' ``class_weight`` map; found through tf.data's
@@ -224,6 +226,7 @@ def install_shuffle_warning_filter() -> bool:
                     bound.arguments["shuffle"] = False
                 if "y" not in bound.arguments:  # `predict`: fit and evaluate pass y=
                     _warn_shuffled_predict(x)
+                    _warn_dropped_predictions(x)
                 _warn_ignored_batch_size(x, bound.arguments.get("batch_size"))
             elif bound.arguments.get("shuffle") and _shuffles_itself(x):
                 bound.arguments["shuffle"] = False
@@ -261,6 +264,28 @@ def _warn_shuffled_predict(source: Any) -> None:
         "written. For predictions in written order, give predict a source made with "
         "shuffle=False (source.replace(shuffle=False)).",
         source._cfg.directory,
+    )
+
+
+def _warn_dropped_predictions(source: Any) -> None:
+    """``model.predict(source)`` on a source made with ``drop_remainder=True`` whose last
+    batch is partial: that batch is not read, so fewer predictions come back than the
+    source holds samples (``predict`` on arrays keeps every row). Logged once per source."""
+    cfg = source._cfg
+    if not cfg.drop_remainder:
+        return
+    read = (source.steps - source._pad_batches) * cfg.batch_size
+    if read >= source.num_samples:
+        return
+    _warn_once(
+        source,
+        "_dropped_predict_warned",
+        "keras-tfr: predict reads %d of the %d samples of %s: it was made with "
+        "drop_remainder=True, which leaves out the last, partial batch. For a prediction "
+        "of every sample, give predict source.replace(drop_remainder=False).",
+        read,
+        source.num_samples,
+        cfg.directory,
     )
 
 
