@@ -449,6 +449,47 @@ def test_inputs_the_writer_cannot_take_are_refused_clearly_before_any_write(tmp_
         assert not os.path.exists(d), kwargs
 
 
+def test_a_tf_data_set_of_single_samples_is_refused_whatever_their_shapes(tmp_path):
+    """`from_tensor_slices` or `unbatch` with no `batch` after: 100 images of 28 x 28 were
+    written as 2,800 rows of 28, and `(x, one-hot y)` of 10 columns as 1,000 scalars.
+    Batches (also sliced from batches made already, or read through a `flat_map`) are
+    written as given, bit for bit."""
+    rng = np.random.default_rng(0)
+    images = rng.random((100, 28, 28), dtype=np.float32)
+    x = rng.random((100, 10), dtype=np.float32)
+    onehot = np.eye(10, dtype=np.float32)[np.arange(100) % 10]
+    slices = tf.data.Dataset.from_tensor_slices
+    d = str(tmp_path / "ds")
+    refused = {
+        "images": (slices(images), "from_tensor_slices"),
+        "x, one-hot y": (slices((x, onehot)), "from_tensor_slices"),
+        "mapped and shuffled": (
+            slices((x, onehot)).map(lambda a, b: (a * 2, b)).shuffle(10).prefetch(2),
+            "from_tensor_slices",
+        ),
+        "zipped": (tf.data.Dataset.zip((slices(x), slices(onehot))), "from_tensor_slices"),
+        "unbatched": (slices((x, onehot)).batch(8).unbatch(), "unbatch"),
+    }
+    for name, (data, made_by) in refused.items():
+        with pytest.raises(ValueError, match=rf"made by `{made_by}`.*dataset\.batch\(256\)"):
+            ArraysToRecords.from_arrays(data, directory=d, verbose=0)
+        assert not os.path.exists(d), name
+    made = (x.reshape(10, 10, 10), onehot.reshape(10, 10, 10))  # batches of 10 made already
+    y1 = onehot
+    taken = {
+        "batched": (slices((x, onehot)).batch(8), 100),
+        "batched, then mapped": (slices((x, onehot)).batch(8).map(lambda a, b: (a, b)), 100),
+        "sliced batches, rebatched": (slices(made).unbatch().batch(7), 100),
+        "flat_map": (tf.data.Dataset.range(2).flat_map(lambda _: slices((x, y1)).batch(25)), 200),
+    }  # fmt: skip
+    for name, (data, n) in taken.items():
+        out = str(tmp_path / name.replace(" ", "_").replace(",", ""))
+        m = ArraysToRecords.from_arrays(data, directory=out, verbose=0)
+        assert m.total_samples == n, name
+        got = list(TFRecordSequenceSource(out, 100, shuffle=False))
+        assert _same_bits(got[0][0].numpy(), x) and _same_bits(got[0][1].numpy(), onehot), name
+
+
 def test_batches_given_as_lists_are_inputs_and_said_so(tmp_path, caplog):
     """A generator of ``[x, y]`` lists: one `x` of two inputs (as Keras reads a list),
     with a warning that shows tuples for ``(x, y)``; tuples draw no warning."""

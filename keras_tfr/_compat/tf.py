@@ -71,6 +71,55 @@ def dataset_inputs(dataset: Any) -> list[Any]:
         return []
 
 
+# tf.data's data sets that hand on their input's elements one for one, as far as
+# batching goes (`unbatched_source`): the walk goes on through them.
+_PASSING_ON = frozenset(
+    {
+        "_MapDataset",
+        "_ParallelMapDataset",
+        "_FilterDataset",
+        "_ShuffleDataset",
+        "_PrefetchDataset",
+        "_RepeatDataset",
+        "_TakeDataset",
+        "_SkipDataset",
+        "CacheDataset",
+        "_ZipDataset",
+        "_ConcatenateDataset",
+        "_OptionsDataset",
+        "_ShardDataset",
+        "_AssertCardinalityDataset",
+        "_IgnoreErrorsDataset",
+        "_RestructuredDataset",
+    }
+)
+_SINGLE_SAMPLES = {"_TensorSliceDataset": "from_tensor_slices", "_UnbatchDataset": "unbatch"}
+
+
+def unbatched_source(dataset: Any) -> str | None:
+    """``"from_tensor_slices"`` or ``"unbatch"`` where ``dataset`` hands out single
+    samples for certain: one of those data sets is reached from it through data sets
+    that pass elements on one for one (``map``, ``shuffle``, ``zip``, ...), with no
+    batching on the way. None where a batch (``batch``, ``padded_batch``, any data set
+    with a ``_batch_size``) or anything else (``flat_map``, ``interleave``, a generator,
+    files) stands in between: it may hand out batches."""
+    todo = [dataset]
+    seen: set[int] = set()
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        name = type(d).__name__
+        if hasattr(d, "_batch_size"):
+            continue
+        if name in _SINGLE_SAMPLES:
+            return _SINGLE_SAMPLES[name]
+        if name in _PASSING_ON:
+            todo.extend(dataset_inputs(d))
+    return None
+
+
 def eager_py_funcs() -> list[Any] | None:
     """TensorFlow's list of the Python functions traced by `tf.numpy_function` and
     `tf.py_function` outside a graph (the default graph's ``_py_funcs_used_in_graph``,

@@ -312,15 +312,28 @@ def is_batch_iterable(x: Any) -> bool:
 
 
 def check_batched(batches: Any) -> None:
-    """Refuses a `tf.data.Dataset` of single samples (not batched): one of its
-    components has no first axis to index samples by (``from_tensor_slices((x, y))``
-    without ``.batch(k)`` gives labels of shape ``()``). Checked on the element spec,
-    before anything is read or written."""
+    """Refuses a `tf.data.Dataset` of single samples (not batched): made by
+    ``from_tensor_slices`` or ``unbatch`` with no ``batch`` after it (each sample's first
+    axis would be read as the samples of a batch: 100 images of 28 x 28 written as 2,800
+    rows), or with a component that has no first axis to index samples by (labels of
+    shape ``()``). Checked on the data set's structure and element spec, before anything
+    is read or written."""
     spec = getattr(batches, "element_spec", None)
     if spec is None or not callable(getattr(batches, "batch", None)):
         return
     import tensorflow as tf
 
+    from keras_tfr._compat.tf import unbatched_source
+
+    made_by = unbatched_source(batches)
+    if made_by is not None:
+        raise ValueError(
+            "Expected `x` to be a tf.data.Dataset of batches, each component's first axis "
+            f"indexing samples. Received: a data set of single samples (made by "
+            f"`{made_by}` with no `batch` after it: {spec}). Batch it first: "
+            "`dataset.batch(256)` (a data set that slices batches made already: "
+            "`dataset.unbatch().batch(256)`)."
+        )
     for component in tf.nest.flatten(spec):
         shape = getattr(component, "shape", None)
         if shape is not None and shape.rank == 0:
