@@ -311,6 +311,26 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.data.ops.from_tensor_slices_op",
+        "_TensorSliceDataset",
+        "tensorflow",
+        _TF,
+        "by its class name: a data set of single samples (from_tensor_slices with no batch "
+        "after it), which the writer refuses; with _UnbatchDataset and the names of the "
+        "data sets that pass elements on (map, shuffle, zip, ...)",
+        ("keras_tfr.write.inputs",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.data.ops.unbatch_op",
+        "_UnbatchDataset",
+        "tensorflow",
+        _TF,
+        "by its class name: a data set of single samples (unbatch with no batch after it)",
+        ("keras_tfr.write.inputs",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.framework.ops",
         "get_default_graph",
         "tensorflow",
