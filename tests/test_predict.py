@@ -85,6 +85,40 @@ def test_writer_as_predict_callback(tmp_path, small_xy):
     assert written.numpy().tobytes() == out.astype(np.float32).tobytes()
 
 
+@pytest.mark.parametrize("names", [("a",), ("a", "b"), ("outputs", "z")])
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_writer_as_predict_callback_of_a_model_with_dict_outputs(tmp_path, small_xy, names, kind):
+    """Keras merges a dict of outputs into its callbacks' logs (no "outputs" key): every
+    output is written, bit for bit, also one named "outputs"."""
+    import keras
+
+    x, _ = small_xy
+    keras.utils.set_random_seed(0)
+    layers = {k: keras.layers.Dense(i + 1) for i, k in enumerate(names)}
+    if kind == "functional":
+        inp = keras.Input((5, 3))
+        flat = keras.layers.Flatten()(inp)
+        model = keras.Model(inp, {k: layer(flat) for k, layer in layers.items()})
+    else:
+
+        class Heads(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.flat = keras.layers.Flatten()
+                self.heads = layers
+
+            def call(self, inputs):
+                return {k: layer(self.flat(inputs)) for k, layer in self.heads.items()}
+
+        model = Heads()
+    d = str(tmp_path / "cb")
+    out = model.predict(x, batch_size=8, callbacks=[ArraysToRecords(d, verbose=0)], verbose=0)
+    written = _read(d)
+    assert sorted(written) == sorted(names)
+    for k in names:
+        assert written[k].numpy().tobytes() == np.asarray(out[k], np.float32).tobytes(), k
+
+
 def test_writer_as_predict_callback_follows_predicts_verbose(tmp_path, small_xy, capsys):
     """`predict(..., verbose=0)` silences the writer's progress bar (its own `verbose`
     defaults to 1); `verbose=1` shows it."""

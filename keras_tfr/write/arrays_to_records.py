@@ -212,7 +212,7 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
 
     def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Writes the batch's predictions (as ``x``) when used as a predict callback."""
-        outputs = (logs or {}).get("outputs")
+        outputs = _predictions(self.model, logs or {})
         if outputs is None:
             return
         outputs = keras.tree.map_structure(
@@ -222,3 +222,21 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
 
     def on_predict_end(self, logs: dict | None = None) -> None:
         self.close()
+
+
+def _predictions(model: Any, logs: dict) -> Any:
+    """The batch's predictions in ``logs``. Keras hands ``{"outputs": predictions}`` to
+    its callbacks through ``pythonify_logs``, which merges a dict into the logs: a model
+    with dict outputs gives ``{name: prediction, ...}`` (an ``"outputs"`` key only where
+    an output has that name). A subclassed model whose one dict output is named
+    ``"outputs"`` cannot be told from a model of one output: its predictions are written
+    as one array."""
+    try:
+        names = model.output if isinstance(model.output, dict) else None
+    except (AttributeError, ValueError):  # a subclassed model: no symbolic output
+        names = None
+    if names is not None and all(k in logs for k in names):
+        return {k: logs[k] for k in names}
+    if set(logs) == {"outputs"}:
+        return logs["outputs"]
+    return dict(logs) or None  # a subclassed model's dict outputs
