@@ -822,6 +822,35 @@ def test_resume_from_an_iterable_of_batches_skips_what_was_written(tmp_path):
     _assert_same_dataset(d, ref)
 
 
+@pytest.mark.parametrize(
+    "change, error, said",
+    [
+        (lambda a, b: (a.astype(np.float64), b), ValueError, "dtype"),
+        (lambda a, b: (a[:, :1], b), ValueError, "shape"),
+        (lambda a, b: (a, b[:-1]), ValueError, ""),
+        (lambda a, b: (a, b, np.ones(len(b), np.float32)), ValueError, ""),
+    ],
+)
+def test_a_batch_that_changes_mid_way_is_named_and_nothing_is_lost(tmp_path, change, error, said):
+    """A generator whose 7th batch changes dtype, shape or parts: the error says which
+    batch and how many samples came before it; the complete shards stay for `resume`."""
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+
+    def batches(bad):
+        for k, i in enumerate(range(0, len(x), 30)):
+            item = (x[i : i + 30], y[i : i + 30])
+            yield change(*item) if k == bad else item
+
+    named = r"\(batch 6 of the iterable, counted from 0, after 180 samples were accepted\)"
+    with pytest.raises(error, match=rf"(?s){said}.*{named}"):
+        ArraysToRecords.from_arrays(batches(6), directory=d, **LAYOUT)
+    assert not os.path.exists(os.path.join(d, "manifest.json"))
+    ArraysToRecords.from_arrays(batches(None), directory=d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+
+
 @pytest.mark.parametrize("compression", [None, "GZIP"])
 def test_caller_may_reuse_its_arrays_once_write_returns(tmp_path, compression):
     """Full records are written straight from the caller's arrays (no joined copy): `write`

@@ -20,9 +20,10 @@ adapter, `ArraysToRecords`, is in `keras_tfr.write.arrays_to_records`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -400,6 +401,23 @@ def write_arrays(
     return writer.manifest
 
 
+@contextlib.contextmanager
+def _naming_batch(index: int, writer: RecordWriter) -> Iterator[None]:
+    """Says which batch of an iterable a `ValueError` or `TypeError` is about (a batch
+    whose shape or dtype changed mid-way): its index and the samples accepted before it,
+    so that a generator's bad batch can be found."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if type(e) not in (ValueError, TypeError):
+            raise
+        where = (
+            f" (batch {index} of the iterable, counted from 0, after "
+            f"{writer.samples_written} samples were accepted)"
+        )
+        raise type(e)(f"{e}{where}") from e
+
+
 def _check_resumed(writer: RecordWriter, batch: Batch) -> None:
     """Refuses to resume a conversion with other input than it began with (its journal's
     layout), or with options that would write other records: another `compression`, or
@@ -476,31 +494,32 @@ def _write_iterable(
         skip = writer.resumed_samples
         told = False
         unchecked = writer._layout is not None  # resumed: the first batch, against its journal
-        for item in batches:
-            if not told and isinstance(item, list) and 2 <= len(item) <= 3:
-                told = True
-                log.warning(
-                    "keras-tfr: the batches of `x` are lists of %d arrays, written as one "
-                    "`x` of %d inputs with no `y`, as Keras reads a list. For `(x, y)` or "
-                    "`(x, y, sample_weight)` batches, give tuples.",
-                    len(item),
-                    len(item),
-                )
-            parts = inputs.split_batch(item)
-            n = inputs.batch_len(parts)
-            if n == 0:
-                continue  # an empty batch (a chunked reader's empty tail) holds nothing
-            if unchecked:
-                unchecked = False
-                x_, y_, w_ = (*parts, None, None)[:3]
-                _check_resumed(writer, validate_batch(x_, y_, w_, writer.variable_length))
-            if skip:
-                if n <= skip:
-                    skip -= n
-                    continue
-                parts = tuple(inputs.slice_parts(p, skip, n) for p in parts)
-                skip = 0
-            writer.write(*parts)
+        for index, item in enumerate(batches):
+            with _naming_batch(index, writer):
+                if not told and isinstance(item, list) and 2 <= len(item) <= 3:
+                    told = True
+                    log.warning(
+                        "keras-tfr: the batches of `x` are lists of %d arrays, written as one "
+                        "`x` of %d inputs with no `y`, as Keras reads a list. For `(x, y)` or "
+                        "`(x, y, sample_weight)` batches, give tuples.",
+                        len(item),
+                        len(item),
+                    )
+                parts = inputs.split_batch(item)
+                n = inputs.batch_len(parts)
+                if n == 0:
+                    continue  # an empty batch (a chunked reader's empty tail) holds nothing
+                if unchecked:
+                    unchecked = False
+                    x_, y_, w_ = (*parts, None, None)[:3]
+                    _check_resumed(writer, validate_batch(x_, y_, w_, writer.variable_length))
+                if skip:
+                    if n <= skip:
+                        skip -= n
+                        continue
+                    parts = tuple(inputs.slice_parts(p, skip, n) for p in parts)
+                    skip = 0
+                writer.write(*parts)
         if skip:  # (the writer aborts: the unfinished conversion stays as it was)
             start = writer.resumed_samples
             raise ValueError(
