@@ -639,6 +639,52 @@ def _interrupt_after(d, x, y, n):
     return journal
 
 
+@pytest.mark.parametrize("where", ["before the journal lists it", "before its rename"])
+def test_ctrl_c_while_a_shard_closes_leaves_no_partial_shard(tmp_path, monkeypatch, where):
+    """Ctrl-C between a shard's close and its rename left its ``.tmp`` file behind. A shard
+    the journal does not list yet goes; one it lists takes its name; resume then writes
+    the rest, the same data set as one uninterrupted write."""
+    from keras_tfr import _io
+    from keras_tfr.write import sink
+
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    x, y = _data()
+    calls = {"n": 0}
+    if where == "before the journal lists it":
+        original = sink.start_writeback
+
+        def interrupted(path):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return original(path)
+
+        monkeypatch.setattr(sink, "start_writeback", interrupted)
+    else:
+        original = _io.rename
+
+        def interrupted(src, dst, *args, **kwargs):
+            if src.endswith(".tmp"):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise KeyboardInterrupt
+            return original(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(_io, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ArraysToRecords.from_arrays(x, y, d, **LAYOUT)
+    monkeypatch.undo()
+    left = _listdir(d)
+    assert not [f for f in left if f.endswith(".tmp")], left
+    listed = json.loads(Path(os.path.join(d, PROGRESS_NAME)).read_text())["shards"]
+    on_disk = sorted(f for f in left if f.startswith("shard-"))
+    assert on_disk == sorted(s["file"] for s in listed)
+    assert len(on_disk) == (1 if where == "before the journal lists it" else 2)
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
+    ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
+    _assert_same_dataset(d, ref)
+
+
 def test_writer_without_resume_refuses_an_unfinished_conversion(tmp_path):
     d = str(tmp_path / "ds")
     x, y = _data()

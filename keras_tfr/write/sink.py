@@ -226,6 +226,10 @@ class ShardFiles:
         self._journal_entries: list[str] = []  # `write_journal`'s encoded shards
         self._file: Any = None
         self._tmp = ""
+        # A shard closed and not renamed yet (`close_shard`), and whether the journal
+        # lists it: what `abort` must finish or remove after an interrupt in between.
+        self._unrenamed: str | None = None
+        self._journaled = False
         self._samples = self._records = self._crc = 0
         self._sink: _RecordSink | None = None
 
@@ -286,6 +290,7 @@ class ShardFiles:
         except OSError as e:
             self._raise_named(e)
         self._file = None
+        self._unrenamed, self._journaled = self._tmp, False
         start_writeback(self._tmp)
         name = SHARD_FILE.format(len(self.shards))
         self.shards.append(
@@ -304,10 +309,13 @@ class ShardFiles:
         except BaseException:  # a disk full: the shard the journal could not list goes
             self.shards.pop()
             del self._journal_entries[len(self.shards) :]
+            self._unrenamed = None
             with contextlib.suppress(OSError):
                 _io.remove(self._tmp)
             raise
+        self._journaled = True
         _io.rename(self._tmp, _io.join(self.directory, name))
+        self._unrenamed = None
 
     def sync(self) -> None:
         """Makes every shard durable before the manifest names it.
@@ -354,3 +362,10 @@ class ShardFiles:
                 pass
             self._file = None
             _io.remove(self._tmp)
+        unrenamed, self._unrenamed = self._unrenamed, None
+        if unrenamed is not None:  # interrupted (Ctrl-C) inside `close_shard`
+            with contextlib.suppress(OSError):
+                if self._journaled:  # complete and listed: it takes its name
+                    _io.rename(unrenamed, _io.join(self.directory, self.shards[-1].file))
+                else:
+                    _io.remove(unrenamed)
