@@ -116,6 +116,37 @@ def test_convert_named_inputs_and_sample_weight_bit_for_bit(tmp_path, arrays, mo
     assert _bits(w) == _bits(arrays["w"])
 
 
+def test_convert_reads_files_whose_names_hold_a_colon_or_an_equals_sign(tmp_path, arrays, capsys):
+    """``with:colon.npy`` was read as ``with`` + ``:colon.npy``, ``a=b.npy`` as NAME=SPEC:
+    a SPEC is first the longest existing file name before a ``:``."""
+    import shutil
+
+    odd = tmp_path / "odd dir"
+    odd.mkdir()
+    for name in ("with:colon.npy", "a=b.npy"):
+        shutil.copy(tmp_path / "meta.npy", odd / name)
+    raw = odd / "raw:1.bin"
+    arrays["meta"].tofile(raw)
+    for i, spec in enumerate(
+        [
+            str(odd / "with:colon.npy"),
+            str(odd / "a=b.npy"),
+            f"{raw}:float32:6",
+            "m=" + str(odd / "a=b.npy"),
+        ]
+    ):
+        d = str(tmp_path / f"ds{i}")
+        assert main(["convert", d, "--x", spec, "--y", str(tmp_path / "y.npy"), "--quiet"]) == 0, (
+            spec,
+            capsys.readouterr().err,
+        )
+        x, y = _read_all(d)
+        x = x["m"] if isinstance(x, dict) else x
+        assert _bits(x) == _bits(arrays["meta"]) and _bits(y) == _bits(arrays["y"]), spec
+    assert main(["convert", str(tmp_path / "no"), "--x", str(odd / "no:such.npy"), "--quiet"]) == 2
+    assert f"{str(odd / 'no')!r} does not exist" in capsys.readouterr().err
+
+
 def test_convert_refuses_a_name_given_twice(tmp_path, arrays, capsys):
     """``--x img=a.npy --x img=b.npy`` would keep one array of the two: a usage error."""
     d = str(tmp_path / "ds")

@@ -72,7 +72,7 @@ def load_array(spec: str) -> Any:
     """
     import numpy as np
 
-    path, _, rest = spec.partition(":")
+    path, rest = _split_spec(spec)
     lower = path.lower()
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path!r} does not exist (from {spec!r})")
@@ -126,11 +126,26 @@ def load_array(spec: str) -> Any:
     return np.memmap(path, dtype=dt, mode="r", shape=(size // sample_bytes, *sample_shape))
 
 
+def _split_spec(spec: str) -> tuple[str, str]:
+    """``(path, rest)`` of a SPEC: the longest part before a ``:`` (or the whole SPEC)
+    that names an existing file, so that a file name may hold ``:``; else the part
+    before the first ``:``."""
+    cuts = [i for i, c in enumerate(spec) if c == ":"]
+    for cut in [len(spec), *reversed(cuts)]:
+        if os.path.isfile(spec[:cut]):
+            return spec[:cut], spec[cut + 1 :]
+    path, _, rest = spec.partition(":")
+    return path, rest
+
+
 def _role_value(specs: list[str] | None) -> Any:
-    """One SPEC -> an array; several ``NAME=SPEC`` -> a dict."""
+    """One SPEC -> an array; several ``NAME=SPEC`` -> a dict. A SPEC whose file name holds
+    ``=`` is a SPEC, not ``NAME=SPEC``."""
     if not specs:
         return None
-    if len(specs) == 1 and "=" not in specs[0].split(":")[0]:
+    if len(specs) == 1 and (
+        "=" not in specs[0].split(":")[0] or os.path.isfile(_split_spec(specs[0])[0])
+    ):
         return load_array(specs[0])
     out = {}
     for s in specs:
