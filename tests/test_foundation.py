@@ -387,6 +387,61 @@ def test_a_list_of_batch_tuples_is_written_as_batches(tmp_path):
     assert _same_bits(np.asarray(first[1]), x[:, :2]) and _same_bits(np.asarray(labels), y)
 
 
+def test_pandas_frames_and_series_are_arrays_as_keras_reads_them(tmp_path):
+    """`fit(df, series)` takes pandas data (their values); the writer read a DataFrame as
+    an iterable of batches (its column names). Mixed dtypes are refused with a hint."""
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((41, 3)).astype(np.float32)
+    values[0] = [-0.0, np.nan, np.inf]
+    df = pd.DataFrame(values, columns=["a", "b", "c"])
+    labels = pd.Series(rng.integers(0, 5, 41).astype(np.int64))
+    weights = pd.DataFrame({"w": rng.random(41).astype(np.float32)})
+    d = str(tmp_path / "frame")
+    m = ArraysToRecords.from_arrays(df, labels, d, sample_weight=weights["w"], verbose=0)
+    assert m.total_samples == 41
+    bx, by, bw = next(iter(TFRecordSequenceSource(d, 64, shuffle=False)))
+    assert _same_bits(bx.numpy(), values) and _same_bits(by.numpy(), labels.to_numpy())
+    assert _same_bits(bw.numpy(), weights["w"].to_numpy())
+    named = str(tmp_path / "named")  # a dict of columns: named inputs
+    ArraysToRecords.from_arrays({"a": df["a"], "bc": df[["b", "c"]]}, labels, named, verbose=0)
+    bx, _ = next(iter(TFRecordSequenceSource(named, 64, shuffle=False)))
+    want = np.ascontiguousarray(values[:, 1:]), np.ascontiguousarray(values[:, 0])
+    assert _same_bits(bx["bc"].numpy(), want[0]) and _same_bits(bx["a"].numpy(), want[1])
+    chunks = str(tmp_path / "chunks")  # batches of frames, as read_csv(chunksize=...) gives
+    ArraysToRecords.from_arrays(
+        ((df[i : i + 10], labels[i : i + 10]) for i in range(0, 41, 10)),
+        directory=chunks,
+        verbose=0,
+    )
+    bx, by = next(iter(TFRecordSequenceSource(chunks, 64, shuffle=False)))
+    assert _same_bits(bx.numpy(), values) and _same_bits(by.numpy(), labels.to_numpy())
+    mixed = pd.DataFrame({"a": values[:, 0], "s": ["x"] * 41})
+    with pytest.raises(TypeError, match="`x`"):
+        ArraysToRecords.from_arrays(mixed, labels, str(tmp_path / "mixed"), verbose=0)
+    assert not os.path.exists(tmp_path / "mixed")
+
+
+def test_a_sequence_of_batches_by_index_is_read_to_its_length(tmp_path):
+    """An old-style `keras.utils.Sequence` (`__len__` and `__getitem__`, no `__iter__`):
+    its batches 0 .. len - 1, though its `__getitem__` would go on past the end."""
+    x = np.arange(50, dtype=np.float32).reshape(25, 2)
+    y = np.arange(25)
+
+    class Batches:
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):  # wraps around, as many such classes do
+            i %= 3
+            return x[i * 10 : i * 10 + 10], y[i * 10 : i * 10 + 10]
+
+    d = str(tmp_path / "seq")
+    assert ArraysToRecords.from_arrays(Batches(), directory=d, verbose=0).total_samples == 25
+    bx, by = next(iter(TFRecordSequenceSource(d, 64, shuffle=False)))
+    assert _same_bits(bx.numpy(), x) and _same_bits(by.numpy(), y)
+
+
 def test_tensors_tf_data_batches_and_empty_batches_are_written(tmp_path):
     """TensorFlow, Keras and torch tensors are arrays (their dtypes are not NumPy's); a
     tf.data.Dataset of batches is an iterable of batches; an empty batch holds nothing."""

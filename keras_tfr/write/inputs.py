@@ -23,6 +23,11 @@ def is_array_like(v: Any) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "__getitem__")
 
 
+def is_pandas(v: Any) -> bool:
+    """A pandas ``DataFrame`` or ``Series`` (told by its module: pandas is not imported)."""
+    return type(v).__module__.split(".")[0] == "pandas" and callable(getattr(v, "to_numpy", None))
+
+
 def _flatten(
     role: str, value: Any, variable: frozenset = frozenset()
 ) -> tuple[str, list[tuple[str, Any]]] | None:
@@ -59,6 +64,10 @@ def _flatten(
 def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
     if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
         return Variable.from_values(v, argument)
+    if is_pandas(v):
+        # As Keras reads one: its values (a DataFrame's columns side by side), which are in
+        # memory already. Columns of several dtypes make an object array, refused below.
+        v = v.to_numpy()
     if callable(getattr(v, "numpy", None)) and not isinstance(getattr(v, "dtype", None), np.dtype):
         # A tensor (TensorFlow's, Keras', torch's): in memory already; its dtype is not
         # NumPy's, so the writer takes its NumPy view (host memory for a GPU tensor).
@@ -306,9 +315,26 @@ def is_batch_iterable(x: Any) -> bool:
     read as such."""
     if isinstance(x, list) and x and all(isinstance(item, tuple) for item in x):
         return True
-    if x is None or is_array_like(x) or isinstance(x, (Mapping, list, tuple, str, bytes)):
+    if x is None or is_array_like(x) or is_pandas(x):
         return False
-    return isinstance(x, Iterable)
+    if isinstance(x, (Mapping, list, tuple, str, bytes)):
+        return False
+    return isinstance(x, Iterable) or _is_batch_sequence(x)
+
+
+def _is_batch_sequence(x: Any) -> bool:
+    """An object with ``__len__`` and ``__getitem__`` but no ``__iter__``: batches by index
+    (an old-style ``keras.utils.Sequence``)."""
+    return callable(getattr(x, "__len__", None)) and callable(getattr(x, "__getitem__", None))
+
+
+def iterate_batches(x: Any) -> Iterable[Any]:
+    """The batches of an iterable of batches: ``x[0], ..., x[len(x) - 1]`` for a
+    sequence of batches without ``__iter__`` (Python's fallback would read on past its
+    end until an `IndexError`), else ``iter(x)``."""
+    if not isinstance(x, Iterable) and _is_batch_sequence(x):
+        return (x[i] for i in range(len(x)))
+    return x
 
 
 def check_batched(batches: Any) -> None:

@@ -494,7 +494,7 @@ def _write_iterable(
         skip = writer.resumed_samples
         told = False
         unchecked = writer._layout is not None  # resumed: the first batch, against its journal
-        for index, item in enumerate(batches):
+        for index, item in enumerate(inputs.iterate_batches(batches)):
             with _naming_batch(index, writer):
                 if not told and isinstance(item, list) and 2 <= len(item) <= 3:
                     told = True
