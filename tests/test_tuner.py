@@ -210,6 +210,42 @@ def test_copies_share_the_manifest_and_take_the_trials_values(sources, tmp_path)
     assert sorted(c["x"].config.shuffle_memory for c in seen) == ["1MB", "2MB"]
 
 
+def test_trials_read_their_own_copies_quietly_and_a_search_batch_size_is_said(
+    data_dirs, tmp_path, caplog
+):
+    """At the source's own batch size, the trials read the user's source itself: the
+    second trial read on from the first's epochs, and the user's source after them. Each
+    trial now reads copies from epoch 0; nothing is logged (a `shuffle=False` the
+    hypermodel passed drew keras-tfr's fit-order warning on every trial). A `batch_size`
+    given to `search` overrides the trial's, which the tuner still records: said once."""
+    import keras_tuner
+
+    from keras_tfr import TFRecordSequenceSource
+    from keras_tfr.tuner import TFRecordHyperModel
+
+    train = TFRecordSequenceSource(data_dirs["train"], batch_size=10, seed=0)
+    val = TFRecordSequenceSource(data_dirs["val"], batch_size=10, shuffle=False)
+    seen: list = []
+    hypermodel = TFRecordHyperModel(_build_fn(units=True, seen=seen), batch_size=[10])
+    tuner = _tuner(keras_tuner.RandomSearch, hypermodel, tmp_path, max_trials=2)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        tuner.search(train, validation_data=val, epochs=2, verbose=0)
+    assert caplog.records == []
+    assert len(seen) == 2 and all(c["x"] is not train and c["x"].batch_size == 10 for c in seen)
+    first = next(iter(train))[1].numpy()  # the user's source still reads its epoch 0
+    assert np.array_equal(first, data_dirs["y"][train.sample_order(0)[:10]])
+
+    caplog.clear()
+    seen.clear()
+    tuner = _tuner(keras_tuner.RandomSearch, hypermodel, tmp_path / "override", max_trials=2)
+    with caplog.at_level("WARNING", logger="keras_tfr"):
+        tuner.search(train, validation_data=val, epochs=1, verbose=0, batch_size=25)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert "batch_size=25 given to fit" in said[0] and "batch_size hyperparameter (10)" in said[0]
+    assert all(c["x"].batch_size == 25 for c in seen)
+
+
 def test_validation_batch_size_overrides_the_validation_batch_size(data_dirs, sources, tmp_path):
     """docs/tuning.md: the validation source gets the trial's batch size "unless you pass
     `validation_batch_size`" (to `search`, which hands it to `fit`)."""

@@ -91,6 +91,13 @@ def rebatch(
     return data.replace(**changes) if changes else data
 
 
+def _own_copy(given: Any, rebatched: Any) -> Any:
+    """A trial's own copy of a source: `rebatch` returns ``given`` itself when nothing
+    changes, whose epochs the trials would then share and advance (a trial at the
+    source's batch size read on from the last one's epochs, another from epoch 0)."""
+    return given.replace() if rebatched is given else rebatched
+
+
 # --------------------------------------------------------------------------- HyperModel
 
 _HP_BATCH = "batch_size"
@@ -147,6 +154,25 @@ class _HyperModelMixin:
             shuffle_memory, "shuffle_memory", _check_shuffle_memory
         )
 
+    def _warn_overridden(self, hp: Any, batch_size: Any) -> None:
+        """``batch_size`` given to ``fit`` (``tuner.search(..., batch_size=k)``) where the
+        trial holds another ``"batch_size"`` hyperparameter: it trains with ``k`` while
+        the tuner records the other. Logged once per hypermodel."""
+        recorded = hp.values.get(_HP_BATCH) if hasattr(hp, "values") else None
+        if recorded is None or recorded == batch_size or getattr(self, "_override_warned", 0):
+            return
+        self._override_warned = True
+        logging.getLogger("keras_tfr").warning(
+            "keras-tfr: batch_size=%s given to fit (tuner.search(..., batch_size=...)) "
+            "overrides the trial's batch_size hyperparameter (%s): the trials train with "
+            "%s, while the tuner records and reports %s. Leave batch_size out of "
+            "search() to tune it.",
+            batch_size,
+            recorded,
+            batch_size,
+            recorded,
+        )
+
     def build(self, hp: Any) -> Any:
         """Builds the model for ``hp``: override it, or pass ``build`` to the constructor."""
         if self._build_fn is None:
@@ -193,11 +219,11 @@ class _HyperModelMixin:
         _release_memory()
         if batch_size is None:
             batch_size = _resolve(hp, _HP_BATCH, self.batch_size)
+        else:
+            self._warn_overridden(hp, batch_size)
         shuffle_memory = _resolve(hp, _HP_SHUFFLE, self.shuffle_memory)
         if _is_source(x):
-            x = rebatch(x, batch_size, shuffle_memory=shuffle_memory)
-            # The source shuffles itself; Keras' default shuffle=True would only warn.
-            kwargs.setdefault("shuffle", False)
+            x = _own_copy(x, rebatch(x, batch_size, shuffle_memory=shuffle_memory))
         elif batch_size is not None:
             kwargs["batch_size"] = _check_batch_size(batch_size)
             if _is_dataset(x) and not getattr(self, "_batch_warned", False):
@@ -211,7 +237,9 @@ class _HyperModelMixin:
                     batch_size,
                 )
         if _is_source(validation_data):
-            validation_data = rebatch(validation_data, validation_batch_size or batch_size)
+            validation_data = _own_copy(
+                validation_data, rebatch(validation_data, validation_batch_size or batch_size)
+            )
         elif validation_batch_size is not None:
             kwargs["validation_batch_size"] = validation_batch_size
         history = model.fit(x, *args, validation_data=validation_data, **kwargs)
