@@ -432,7 +432,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         ``e`` depends on ``(seed, e)`` alone, so a job that restarts can go on with the
         same order (what `keras_tfr.BackupAndRestore` does). On the tf.data service
         (``service=``) it has no effect, and logs a warning saying so: the service's
-        workers draw each iterator's order.
+        workers draw each iterator's order (a new one each epoch, which ``seed`` does not
+        fix).
 
         ``step`` applies to the source's own iterators (``iter(source)``, ``fit(source)``,
         `as_numpy_iterator`). A data set made from the source (``source.map(f)``,

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from _serve import free_ports, serving
 
-from keras_tfr import TFRecordSequenceSource
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.distribute import start_service
 from keras_tfr.read.split import worker_share
 
@@ -194,6 +194,26 @@ def test_service_distributed_epoch_delivers_each_sample_once(ids_dataset, servic
         assert sorted(ids) == list(range(N))
         assert len(sizes) == len(source) == math.ceil(N / 7)
         assert sizes[:-1] == [7] * (len(sizes) - 1)
+
+
+@pytest.mark.parametrize("seed", [2, None])
+def test_service_reads_each_epoch_in_a_new_order(tmp_path, service_cluster, seed):
+    """Each epoch is a new job of the workers' graph: with a seed's fixed op seeds, every
+    epoch read the same order. The workers now draw each epoch's order (one shard here:
+    one worker reads it all, so only the shuffle decides the order)."""
+    d = str(tmp_path / "one_shard")
+    n = 600
+    ArraysToRecords.from_arrays(
+        np.arange(n, dtype=np.int64)[:, None], np.arange(n), d, samples_per_record=20,
+        min_shards=1, verbose=0,
+    )  # fmt: skip
+    kw = dict(batch_size=50, seed=seed, service=service_cluster.target)
+    shuffled = TFRecordSequenceSource(d, **kw)
+    orders = [_ids(shuffled)[0] for _ in range(2)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders[0] != orders[1] and orders[0] != list(range(n))
+    ordered = TFRecordSequenceSource(d, shuffle=False, **kw)
+    assert _ids(ordered)[0] == _ids(ordered)[0] == list(range(n))
 
 
 def test_service_splits_a_small_data_set_by_sample(ids_dataset, service_cluster):

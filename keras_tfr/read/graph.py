@@ -160,18 +160,16 @@ class GraphReader:
         seed = self.seed
 
         def op_seed(k: int) -> Any:
-            if seed is None:
+            if seed is None or epoch is None:
+                # On the service (no epoch: the workers run the graph, each epoch a new
+                # job of it), fixed op seeds gave every epoch the same order: the workers
+                # draw each epoch's order instead (`seed` still decides the split).
                 return None
             if 0 <= seed < _SMALL_SEEDS:  # the op seeds of earlier versions, kept
-                if epoch is None:
-                    return seed * 7919 + k
                 return (seed * 7919 + k + epoch * 104729) % _SMALL_SEEDS
             # Any other int64 seed: hashed to 62 bits (no two seeds congruent modulo
             # 2**31 - 1 share an order), the sum kept inside int64 for the epoch's tensor.
-            h = _hash62(seed)
-            if epoch is None:
-                return _SMALL_SEEDS + (h + k) % _HASHED
-            return _SMALL_SEEDS + (h + k + epoch * 104729) % _HASHED
+            return _SMALL_SEEDS + (_hash62(seed) + k + epoch * 104729) % _HASHED
 
         files = [m.shard_path(s) for s in m.shards]
         first = np.cumsum([0] + [s.records for s in m.shards])[:-1].astype(np.int64)
