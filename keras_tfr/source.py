@@ -828,6 +828,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
             batches = batches.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if not direct or self._decode:
             batches = batches.map(self._structure_fn())
+        if not direct and self._cfg.num_workers is not None:
+            # Block mode's shares differ by a record: with `drop_remainder`, a larger share
+            # can hold a batch more than the count all workers agree on (the smallest).
+            batches = batches.take(self._steps - self._pad_batches)
         if self._pad_batches:
             batches = _distribute.pad_with_empty_batches(batches, self._pad_batches)
         # Prefetch starts with an iterator's first batch, so an iterator Keras makes and

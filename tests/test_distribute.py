@@ -146,6 +146,35 @@ def test_block_mode_shares_whole_records_past_64_and_needs_one_per_worker(ids_da
         assert len(share) == 4 * len({i // 4 for i in share})
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_block_mode_workers_with_drop_remainder_read_the_steps_they_agree_on(
+    ids_dataset, monkeypatch, shuffle
+):
+    """Shares of 9, 8 and 8 records of 4 samples in batches of 12, dropping the
+    remainder: 3, 2 and 2 full batches, so all read 2; worker 0's 3rd batch failed the
+    agreed count ("expected to contain 2 elements") in a plain loop. The same for a
+    validation subset of 5 records (2, 2, 1) in batches of 4."""
+    from keras_tfr.read import order
+
+    monkeypatch.setattr(order, "SAMPLE_SPLIT_RECORDS", 10)
+    kw = dict(shuffle=shuffle, seed=1, drop_remainder=True, access="blocks")
+    for extra in (
+        dict(batch_size=12),
+        dict(batch_size=4, validation_split=0.2, subset="validation"),
+    ):
+        workers = [
+            TFRecordSequenceSource(ids_dataset, num_workers=3, worker_index=w, **kw, **extra)
+            for w in range(3)
+        ]
+        seen: list[int] = []
+        for w in workers:
+            ids, sizes = _ids(w)
+            assert len(sizes) == len(w) == len(workers[2]), (extra, sizes)
+            assert set(sizes) == {extra["batch_size"]}, (extra, sizes)
+            seen += ids
+        assert len(seen) == len(set(seen)), extra  # no sample in two shares
+
+
 def test_distribute_source_passes_check_files_to_its_manifest(ids_dataset):
     import tensorflow as tf
 
