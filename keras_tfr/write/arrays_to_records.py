@@ -233,7 +233,7 @@ def _predictions(model: Any, logs: dict) -> Any:
     as one array."""
     try:
         names = model.output if isinstance(model.output, dict) else None
-    except (AttributeError, ValueError):  # a subclassed model: no symbolic output
+    except Exception:  # a subclassed model: no symbolic output
         names = None
     if names is not None and all(k in logs for k in names):
         return {k: logs[k] for k in names}

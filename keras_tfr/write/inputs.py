@@ -323,9 +323,13 @@ def is_batch_iterable(x: Any) -> bool:
 
 
 def _is_batch_sequence(x: Any) -> bool:
-    """An object with ``__len__`` and ``__getitem__`` but no ``__iter__``: batches by index
-    (an old-style ``keras.utils.Sequence``)."""
-    return callable(getattr(x, "__len__", None)) and callable(getattr(x, "__getitem__", None))
+    """An object with ``__len__`` and ``__getitem__`` but no ``__iter__`` and no ``shape``
+    (an array-like has one): batches by index (an old-style ``keras.utils.Sequence``)."""
+    return (
+        callable(getattr(x, "__len__", None))
+        and callable(getattr(x, "__getitem__", None))
+        and not hasattr(x, "shape")
+    )
 
 
 def iterate_batches(x: Any) -> Iterable[Any]:
