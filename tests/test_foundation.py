@@ -416,10 +416,42 @@ def test_pandas_frames_and_series_are_arrays_as_keras_reads_them(tmp_path):
     )
     bx, by = next(iter(TFRecordSequenceSource(chunks, 64, shuffle=False)))
     assert _same_bits(bx.numpy(), values) and _same_bits(by.numpy(), labels.to_numpy())
+    flags = rng.random(41) > 0.5  # bool and float32 columns: float32, as Keras reads them
+    both = str(tmp_path / "bool_and_float")
+    ArraysToRecords.from_arrays(df.assign(flag=flags), labels, both, verbose=0)
+    bx, _ = next(iter(TFRecordSequenceSource(both, 64, shuffle=False)))
+    assert _same_bits(bx.numpy(), np.column_stack([values, flags.astype(np.float32)]))
+    tokens = pd.Series([np.arange(i % 5, dtype=np.int64) for i in range(41)])  # lists: ragged
+    ragged = str(tmp_path / "tokens")
+    ArraysToRecords.from_arrays(tokens, labels, ragged, verbose=0)
+    rows = [r for bx, _ in TFRecordSequenceSource(ragged, 64, shuffle=False, ragged="ragged")
+            for r in bx.to_list()]  # fmt: skip
+    assert rows == [list(range(i % 5)) for i in range(41)]
     mixed = pd.DataFrame({"a": values[:, 0], "s": ["x"] * 41})
-    with pytest.raises(TypeError, match="`x`"):
+    with pytest.raises(TypeError, match=r"columns of `x`.*column 's' of dtype"):
         ArraysToRecords.from_arrays(mixed, labels, str(tmp_path / "mixed"), verbose=0)
     assert not os.path.exists(tmp_path / "mixed")
+
+
+def test_a_ragged_tensor_is_variable_length_without_being_declared(tmp_path):
+    """`TextVectorization(ragged=True)` gives a `tf.RaggedTensor`: written as a
+    variable-length feature, as a 1-D object array is, also in batches of a data set."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(0, 7, 30)
+    rows = [rng.integers(1, 50, n).astype(np.int64) for n in lengths]
+    tokens = tf.ragged.constant([r.tolist() for r in rows], dtype=tf.int64)
+    y = np.arange(30)
+    for name, given in {
+        "tensor": dict(x=tokens, y=y),
+        "batches": dict(x=tf.data.Dataset.from_tensor_slices((tokens, y)).batch(8)),
+    }.items():
+        d = str(tmp_path / name)
+        ArraysToRecords.from_arrays(directory=d, verbose=0, **given)
+        got = [
+            r for bx, _ in TFRecordSequenceSource(d, 64, shuffle=False, ragged="ragged")
+            for r in bx.to_list()
+        ]  # fmt: skip
+        assert got == [r.tolist() for r in rows], name
 
 
 def test_a_sequence_of_batches_by_index_is_read_to_its_length(tmp_path):

@@ -28,6 +28,31 @@ def is_pandas(v: Any) -> bool:
     return type(v).__module__.split(".")[0] == "pandas" and callable(getattr(v, "to_numpy", None))
 
 
+def _pandas_values(v: Any, argument: str) -> np.ndarray:
+    """A pandas ``DataFrame``'s or ``Series``' values, as Keras reads them (in memory
+    already). A DataFrame's columns of numbers and bools become one array of their common
+    dtype (``np.result_type``: bool and float32 columns give float32, not the object
+    array ``to_numpy`` gives); a column of anything else is refused by name."""
+    columns = getattr(v, "columns", None)
+    if columns is None:  # a Series: object values (lists, strings) are looked at below
+        return np.asarray(v.to_numpy())
+    dtypes = list(v.dtypes)
+    bad = [
+        (c, d)
+        for c, d in zip(columns, dtypes)
+        if not (isinstance(d, np.dtype) and d.kind in "biuf")
+    ]
+    if bad:
+        c, d = bad[0]
+        raise TypeError(
+            f"Expected the columns of `{argument}` (a pandas DataFrame) to hold numbers or "
+            f"bools, as an array does. Received: column {c!r} of dtype {d}. Convert it "
+            f"first (df[{c!r}].astype('float32'), or one-hot encode a category), or give "
+            "it as a feature of its own in a dict."
+        )
+    return np.asarray(v.to_numpy(dtype=np.result_type(*dtypes)))
+
+
 def _flatten(
     role: str, value: Any, variable: frozenset = frozenset()
 ) -> tuple[str, list[tuple[str, Any]]] | None:
@@ -65,16 +90,19 @@ def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
     if variable or (isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1):
         return Variable.from_values(v, argument)
     if is_pandas(v):
-        # As Keras reads one: its values (a DataFrame's columns side by side), which are in
-        # memory already. Columns of several dtypes make an object array, refused below.
-        v = v.to_numpy()
+        v = _pandas_values(v, argument)
+        if v.dtype == object and v.ndim == 1:  # a column of lists or arrays
+            return Variable.from_values(v, argument)
     if callable(getattr(v, "numpy", None)) and not isinstance(getattr(v, "dtype", None), np.dtype):
         # A tensor (TensorFlow's, Keras', torch's): in memory already; its dtype is not
         # NumPy's, so the writer takes its NumPy view (host memory for a GPU tensor).
         if callable(getattr(v, "detach", None)) and callable(getattr(v, "cpu", None)):
             v = v.detach().cpu()  # torch: a tensor with a gradient, or on a GPU
         try:
-            return np.asarray(v.numpy())
+            values = np.asarray(v.numpy())
+            if values.dtype == object and values.ndim == 1:  # a tf.RaggedTensor's rows
+                return Variable.from_values(values, argument)
+            return values
         except TypeError as e:  # torch's bfloat16 and others without a NumPy dtype
             raise TypeError(
                 f"Expected `{argument}` to have one of the dtypes {sorted(SUPPORTED_DTYPES)}. "
