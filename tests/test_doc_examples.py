@@ -3,7 +3,8 @@
 Each fenced ``python`` block is executed word for word in a fresh working directory
 (`tmp_path`), with the names it assumes (``np``, ``model``, ``x``, ``y``, ...) set up
 beforehand, and what it claims is checked afterwards (bit for bit where it writes or
-reads data). A block that cannot run here (a cluster, a GPU-only claim) is listed in
+reads data; docs/tuning.md's Hyperband runs with ``max_epochs`` capped, see
+`tuning_doc`). A block that cannot run here (a cluster, a GPU-only claim) is listed in
 `NOT_RUN` with the test that covers its calls instead; a new block that is in neither
 list fails `test_every_example_is_run`.
 """
@@ -511,10 +512,25 @@ def scaling_multiworker(block: Block) -> None:
 
 
 def tuning_doc(block: Block) -> None:
+    """Run as printed, but for Hyperband's ``max_epochs``, capped at 3 while it runs: the
+    printed 10 makes about 30 trials, over two minutes of the suite; what is checked
+    (every trial completed, with values from the hypermodel's choices) does not depend
+    on it."""
     import keras_tuner
 
+    full = keras_tuner.Hyperband
+
+    class Capped(full):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, max_epochs=100, **kwargs):
+            super().__init__(*args, max_epochs=min(max_epochs, 3), **kwargs)
+
     write_train()
-    ns = run(block, base_ns(keras_tuner=keras_tuner))
+    keras_tuner.Hyperband = Capped
+    try:
+        ns = run(block, base_ns(keras_tuner=keras_tuner))
+    finally:
+        keras_tuner.Hyperband = full
+    assert isinstance(ns["tuner"], full)
     check_tuner(ns, {"batch_size": [64, 256, 1024], "shuffle_memory": ["16MB", "64MB"]})
 
 
