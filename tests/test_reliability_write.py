@@ -639,11 +639,15 @@ def _interrupt_after(d, x, y, n):
     return journal
 
 
-@pytest.mark.parametrize("where", ["before the journal lists it", "before its rename"])
+@pytest.mark.parametrize(
+    "where", ["before the journal lists it", "as the journal lists it", "before its rename"]
+)
 def test_ctrl_c_while_a_shard_closes_leaves_no_partial_shard(tmp_path, monkeypatch, where):
-    """Ctrl-C between a shard's close and its rename left its ``.tmp`` file behind. A shard
-    the journal does not list yet goes; one it lists takes its name; resume then writes
-    the rest, the same data set as one uninterrupted write."""
+    """Ctrl-C between a shard's close and its rename left its ``.tmp`` file behind, and
+    one inside the journal's write, once the journal on disk listed the shard, left the
+    journal listing a shard whose file was removed. A shard the journal does not list
+    yet goes; one it lists takes its name; resume then writes the rest, the same data
+    set as one uninterrupted write."""
     from keras_tfr import _io
     from keras_tfr.write import sink
 
@@ -660,6 +664,16 @@ def test_ctrl_c_while_a_shard_closes_leaves_no_partial_shard(tmp_path, monkeypat
             return original(path)
 
         monkeypatch.setattr(sink, "start_writeback", interrupted)
+    elif where == "as the journal lists it":
+        original = sink.write_journal
+
+        def interrupted(*args, **kwargs):
+            original(*args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] == 2:  # the journal on disk lists the 2nd shard
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(sink, "write_journal", interrupted)
     else:
         original = _io.rename
 

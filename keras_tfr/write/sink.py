@@ -211,6 +211,20 @@ class _CompressedFile:
         self._writer.close()
 
 
+def _journal_lists(directory: str, name: str) -> bool:
+    """Whether the journal on disk lists the shard file ``name`` (False when it cannot be
+    read)."""
+    import json
+
+    from keras_tfr.manifest import PROGRESS_NAME
+
+    try:
+        journal = json.loads(_io.read_bytes(_io.join(directory, PROGRESS_NAME)))
+        return any(s.get("file") == name for s in journal["shards"])
+    except Exception:
+        return False
+
+
 class ShardFiles:
     """The shard files of one conversion, filled one after the other.
 
@@ -306,7 +320,13 @@ class ShardFiles:
         # is missing (resume checks and rewrites it), never a shard no journal lists.
         try:
             write_journal(self.directory, self.layout, self.shards, self._journal_entries)
-        except BaseException:  # a disk full: the shard the journal could not list goes
+        except BaseException:
+            if _journal_lists(self.directory, name):
+                # Interrupted (Ctrl-C, SIGTERM) once the journal on disk listed it: the
+                # shard is complete, and `abort` gives it its name.
+                self._journaled = True
+                raise
+            # A disk full: the shard the journal could not list goes.
             self.shards.pop()
             del self._journal_entries[len(self.shards) :]
             self._unrenamed = None
