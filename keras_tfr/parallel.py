@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from keras_tfr._supervise import Child, PrefixedText, stop_all
+from keras_tfr._supervise import Child, Guard, PrefixedText, stop_all
 
 __all__ = ["launch"]
 
@@ -192,6 +192,7 @@ class _Launcher:
         self.lock = threading.Lock()  # one line at a time on `out`
         self.stop_signal: int | None = None  # set by the signal handler
         self.force = False
+        self.guard: Guard | None = None  # stops the children if this process is killed
 
     # -- signals ------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class _Launcher:
     def _start(self) -> None:
         for i, (argv, env) in enumerate(zip(self.argv, self.envs)):
             sink = PrefixedText(self.out, f"[{i}] ", self.lock)
-            self.children.append(Child(str(i), argv, env, sink=sink))
+            self.children.append(Child(str(i), argv, env, sink=sink, guard=self.guard))
 
     def _stop(self, sig: int) -> None:
         """`sig` to every running child, SIGKILL to those left after the grace period."""
@@ -231,6 +232,7 @@ class _Launcher:
     def run(self) -> int:
         previous = self._install_handlers()
         stopped_by: int | None = None
+        self.guard = Guard(self.grace_period, "keras-tfr parallel")
         try:
             try:
                 self._start()
@@ -260,6 +262,7 @@ class _Launcher:
                 child.wait()
             self._join_readers()
         finally:
+            self.guard.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return self._summarize(stopped_by)

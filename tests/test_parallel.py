@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+from _procs import running, still_running
 
 from keras_tfr import cli
 from keras_tfr.parallel import launch
@@ -161,15 +162,15 @@ def test_missing_program_raises_and_leaves_nothing_running(tmp_path):
     with pytest.raises(FileNotFoundError):
         launch([str(tmp_path / "prog-{i}")], 2, grace_period=20, output=io.StringIO())
     assert time.monotonic() - start < 20  # child 0 stopped at SIGTERM, not killed later
-    still_running = []
+    left = []
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
             with open(cmdline, "rb") as f:
                 if str(program).encode() in f.read():
-                    still_running.append(cmdline)
+                    left.append(cmdline)
         except OSError:
             pass
-    assert still_running == []
+    assert left == []
 
 
 def test_fail_fast_stops_the_others(caplog):
@@ -244,14 +245,6 @@ def _start_launcher(tmp_path, n, behaviour="normal", grace="10"):
     return proc, pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_ctrl_c_stops_every_child(tmp_path):
     proc, pids = _start_launcher(tmp_path, 3)
     proc.send_signal(signal.SIGINT)
@@ -263,7 +256,7 @@ def test_ctrl_c_stops_every_child(tmp_path):
         assert by_child[i] == ["ready", "interrupted"]
         assert f"[{i}] exited with code 3" in err
     assert "SIGINT received" in err
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 def test_sigterm_stops_every_child(tmp_path):
@@ -272,7 +265,7 @@ def test_sigterm_stops_every_child(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143
     assert "[0] was stopped by SIGTERM" in err and "[1] was stopped by SIGTERM" in err
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 def test_children_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_path):
@@ -284,7 +277,7 @@ def test_children_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_p
     assert time.monotonic() - start < 30
     assert "did not stop; killing it" in err
     assert "[0] was stopped by SIGKILL" in err
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 def test_a_second_ctrl_c_kills_at_once(tmp_path):
@@ -306,21 +299,53 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path):
     assert proc.returncode == 130
     assert time.monotonic() - start < 30, "the second Ctrl-C did not cut the 60 s grace"
     assert "[0] was stopped by SIGKILL" in err and "[1] was stopped by SIGKILL" in err
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 def test_children_are_killed_with_their_own_child_processes(tmp_path):
     """docs/gpu.md: a child killed after the grace period goes with its own children."""
     proc, pids = _start_launcher(tmp_path, 2, behaviour="grandchild", grace="0.5")
     grand = [int((tmp_path / f"grandchild-{i}").read_text()) for i in range(2)]
-    assert all(_alive(g) for g in grand)
+    assert all(running(g) for g in grand)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 143
     deadline = time.monotonic() + 10
-    while any(_alive(g) for g in grand + pids) and time.monotonic() < deadline:
+    while any(running(g) for g in grand + pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(g) for g in grand + pids), "a grandchild outlived the launcher"
+    assert not any(running(g) for g in grand + pids), "a grandchild outlived the launcher"
+
+
+@pytest.mark.parametrize("behaviour", ["normal", "grandchild"])
+def test_children_end_when_the_launcher_is_killed(tmp_path, behaviour):
+    """SIGKILL to the launcher (which it cannot catch) still stops every child, in
+    groups of their own: SIGTERM, then SIGKILL after the grace period for those that
+    ignore it, with their own children."""
+    proc, pids = _start_launcher(tmp_path, 2, behaviour=behaviour, grace="0.5")
+    grand = []
+    if behaviour == "grandchild":
+        grand = [int((tmp_path / f"grandchild-{i}").read_text()) for i in range(2)]
+    proc.kill()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert still_running(pids + grand, 20) == [], "a process outlived the killed launcher"
+    assert (
+        "keras-tfr parallel: the launcher ended without stopping its 2 process(es); "
+        "stopping them (SIGTERM, then SIGKILL after 0.5 s)"
+    ) in err
+
+
+def test_launcher_that_ends_normally_leaves_no_guard(tmp_path):
+    """The guard of each `launch` ends with it (a notebook may call it many times)."""
+    code = launch(_py("print('hi')"), 2, output=io.StringIO(), grace_period=30)
+    assert code == 0
+    ours = subprocess.run(
+        ["ps", "-o", "pid=,stat=,args=", "--ppid", str(os.getpid())],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "killpg" not in ours, ours  # no guard left, not even a zombie
 
 
 # -- the subcommand ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from _procs import still_running
 
 N_TRAIN = 200
 N_VAL = 40
@@ -561,6 +563,43 @@ def test_launcher_stops_workers_when_the_chief_fails(tmp_path):
     assert result.returncodes["chief"] == 3
     assert all(result.returncodes[w] not in (0, None) for w in ("tuner0", "tuner1"))
     assert any("chief exited with status 3" in e for e in result.errors)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=str)
+def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig):
+    """`keras-tfr tune` stops the chief and the workers (in process groups of their own)
+    on SIGTERM, as on Ctrl-C; killed, its guard process stops them."""
+    script = _script(
+        tmp_path,
+        f"""
+        import os, time
+        who = os.environ["KERASTUNER_TUNER_ID"]
+        open({str(tmp_path)!r} + f"/tmp-{{who}}", "w").write(str(os.getpid()))
+        os.replace({str(tmp_path)!r} + f"/tmp-{{who}}", {str(tmp_path)!r} + f"/pid-{{who}}")
+        time.sleep(300)
+        """,
+    )
+    cmd = [sys.executable, "-m", "keras_tfr.cli", "tune", "--workers", "1", script]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("pid-*"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the processes did not start"
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    guarded = "keras-tfr tune: the launcher ended without stopping its 2 process(es)" in err
+    if sig == signal.SIGINT:  # Ctrl-C
+        assert proc.returncode == 130 and "keras-tfr: interrupted" in err, err
+        assert not guarded, err  # the launcher stopped them itself
+    elif sig == signal.SIGTERM:
+        assert proc.returncode == 143 and "keras-tfr: terminated (SIGTERM)" in err, err
+        assert not guarded, err
+    else:
+        assert proc.returncode == -signal.SIGKILL and guarded, err
+    assert still_running(pids, 20) == [], "a tuner process outlived the launcher"
 
 
 @pytest.mark.subprocess

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The data commands stop on SIGTERM (a preempted job, `kill`) as on Ctrl-C: a
     # conversion keeps its complete shards and their journal, and leaves no lock or
-    # partial shard. `serve`, `parallel` and `tune` handle their signals themselves.
+    # partial shard; `tune` stops its processes. `serve` and `parallel` handle their
+    # signals themselves.
     term = _on_sigterm() if args.command in _STOPPED_BY_SIGTERM else None
     try:
         if args._tensorflow and "tensorflow" not in sys.modules:
@@ -176,7 +177,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     return f"; the complete shards in {directory} are kept: run the same command with --resume"
 
 
-_STOPPED_BY_SIGTERM = ("convert", "convert-tfrecords", "verify", "bench", "info")
+_STOPPED_BY_SIGTERM = ("convert", "convert-tfrecords", "verify", "bench", "info", "tune")
 
 
 class _Terminated(KeyboardInterrupt):

@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from keras_tfr._supervise import Child, LogFile
+from keras_tfr._supervise import Child, Guard, LogFile
 from keras_tfr.parallel import _set_gpu_memory_env
 from keras_tfr.tuner.hypermodel import _check_batch_size
 
@@ -243,13 +243,16 @@ def tune(
     errors: list[str] = []
     stopped_after_search: list[str] = []
     start = time.monotonic()
+    guard = Guard(_KILL_GRACE_S, "keras-tfr tune")  # stops them if this process is killed
     try:
         for i, tuner_id in enumerate(ids):
             child_env = _child_env(base_env, tuner_id, i, gpu_memory_mb, gpus)
             logs[tuner_id] = LogFile(
                 os.path.join(log_dir, f"{tuner_id}.log"), f"[{tuner_id}] ", verbose
             )
-            children[tuner_id] = Child(tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd)
+            children[tuner_id] = Child(
+                tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd, guard=guard
+            )
         log.info(
             "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%d, logs in %s",
             workers,
@@ -261,6 +264,7 @@ def tune(
     finally:
         for child in children.values():
             child.stop(_KILL_GRACE_S)
+        guard.close()
         for child in children.values():
             child.join_output(10)
 
