@@ -3,8 +3,8 @@
 Each fenced ``python`` block is executed word for word in a fresh working directory
 (`tmp_path`), with the names it assumes (``np``, ``model``, ``x``, ``y``, ...) set up
 beforehand, and what it claims is checked afterwards (bit for bit where it writes or
-reads data; docs/tuning.md's Hyperband runs with ``max_epochs`` capped, see
-`tuning_doc`). A block that cannot run here (a cluster, a GPU-only claim) is listed in
+reads data; the Hyperband examples run with ``max_epochs`` capped, see
+`_hyperband_capped`). A block that cannot run here (a cluster, a GPU-only claim) is listed in
 `NOT_RUN` with the test that covers its calls instead; a new block that is in neither
 list fails `test_every_example_is_run`.
 """
@@ -298,9 +298,12 @@ def check_tuner(ns: dict, values: dict[str, list]) -> None:
 
 
 def readme_tuner(block: Block) -> None:
+    """Run as printed, Hyperband's ``max_epochs`` capped (`_hyperband_capped`)."""
     import keras_tuner
 
-    ns = run(block, base_ns(keras_tuner=keras_tuner, build=build, **_train_val()))
+    with _hyperband_capped() as full:
+        ns = run(block, base_ns(keras_tuner=keras_tuner, build=build, **_train_val()))
+    assert isinstance(ns["tuner"], full)
     check_tuner(ns, {"batch_size": [64, 256, 1024]})
 
 
@@ -511,11 +514,11 @@ def scaling_multiworker(block: Block) -> None:
     assert keras_shuffle.SHUFFLE_WARNING not in out.stderr
 
 
-def tuning_doc(block: Block) -> None:
-    """Run as printed, but for Hyperband's ``max_epochs``, capped at 3 while it runs: the
-    printed 10 makes about 30 trials, over two minutes of the suite; what is checked
-    (every trial completed, with values from the hypermodel's choices) does not depend
-    on it."""
+@contextlib.contextmanager
+def _hyperband_capped():
+    """keras_tuner.Hyperband with ``max_epochs`` capped at 3 while the example runs: the
+    printed 10 makes about 30 trials, minutes of the suite; what is checked (every trial
+    completed, with values from the hypermodel's choices) does not depend on it."""
     import keras_tuner
 
     full = keras_tuner.Hyperband
@@ -524,12 +527,20 @@ def tuning_doc(block: Block) -> None:
         def __init__(self, *args, max_epochs=100, **kwargs):
             super().__init__(*args, max_epochs=min(max_epochs, 3), **kwargs)
 
-    write_train()
     keras_tuner.Hyperband = Capped
     try:
-        ns = run(block, base_ns(keras_tuner=keras_tuner))
+        yield full
     finally:
         keras_tuner.Hyperband = full
+
+
+def tuning_doc(block: Block) -> None:
+    """Run as printed, Hyperband's ``max_epochs`` capped (`_hyperband_capped`)."""
+    import keras_tuner
+
+    write_train()
+    with _hyperband_capped() as full:
+        ns = run(block, base_ns(keras_tuner=keras_tuner))
     assert isinstance(ns["tuner"], full)
     check_tuner(ns, {"batch_size": [64, 256, 1024], "shuffle_memory": ["16MB", "64MB"]})
 
