@@ -148,6 +148,29 @@ def test_an_iterable_of_batches_cannot_be_written_shuffled(tmp_path):
     assert not os.path.exists(d)
 
 
+def test_a_conversion_begun_in_the_given_order_is_not_resumed_shuffled(tmp_path):
+    x, y = _sorted_classes(100)
+    layout = dict(samples_per_record=10, shard_size=2000, chunk_size="4KB", verbose=0)
+    d = str(tmp_path / "ds")
+
+    def batches():  # the input fails after 60 samples (the disk went away)
+        for i in range(0, 60, 10):
+            yield x[i : i + 10], y[i : i + 10]
+        raise OSError("disk went away")
+
+    with pytest.raises(OSError, match="disk went away"):
+        ArraysToRecords.from_arrays(batches(), directory=d, **layout)
+    before = {n: Path(d, n).read_bytes() for n in os.listdir(d)}
+    assert any(n.startswith("shard-") for n in before), "completed shards stay"
+    with pytest.raises(
+        ValueError, match=r"was begun in the order given \(no `shuffle_seed`\).*shuffle_seed=2"
+    ):
+        ArraysToRecords.from_arrays(x, y, d, shuffle_seed=2, resume=True, **layout)
+    assert {n: Path(d, n).read_bytes() for n in os.listdir(d)} == before
+    ArraysToRecords.from_arrays(x, y, d, resume=True, **layout)  # in the order given: fine
+    assert _read(d)[1].tobytes() == y.tobytes()
+
+
 def test_an_interrupted_shuffled_conversion_resumes_with_its_seed(tmp_path):
     class Failing:
         """An array-like whose reads fail after a few chunks (the disk went away)."""
@@ -170,10 +193,18 @@ def test_an_interrupted_shuffled_conversion_resumes_with_its_seed(tmp_path):
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     assert any(n.startswith("shard-") for n in os.listdir(d)), "completed shards stay"
     before = {n: Path(d, n).read_bytes() for n in os.listdir(d)}
-    with pytest.raises(ValueError, match=r"started with shuffle_seed=3.*Received: shuffle_seed=4"):
+    begun = r"was begun with shuffle_seed=3: its shards hold the samples in that order"
+    with pytest.raises(ValueError, match=rf"{begun}.*Received: shuffle_seed=4"):
         ArraysToRecords.from_arrays(x, y, d, shuffle_seed=4, resume=True, **layout)
-    with pytest.raises(ValueError, match=r"started with shuffle_seed=3.*shuffle_seed=None"):
+    with pytest.raises(ValueError, match=rf"{begun}.*Received: shuffle_seed=None"):
         ArraysToRecords.from_arrays(x, y, d, resume=True, **layout)
+    # An iterable of batches, or the incremental writer, writes in the order given: the
+    # rest of the seeded order cannot follow (it wrote some samples twice, others never).
+    batches = ((x[i : i + 10], y[i : i + 10]) for i in range(0, len(y), 10))
+    with pytest.raises(ValueError, match=rf"{begun}.*shuffle_seed=3, resume=True"):
+        ArraysToRecords.from_arrays(batches, directory=d, resume=True, **layout)
+    with pytest.raises(ValueError, match=rf"{begun}.*Received: shuffle_seed=None"):
+        ArraysToRecords(d, resume=True, **layout).write(x, y)
     assert {n: Path(d, n).read_bytes() for n in os.listdir(d)} == before
     ArraysToRecords.from_arrays(x, y, d, shuffle_seed=3, resume=True, **layout)
     ref = str(tmp_path / "ref")

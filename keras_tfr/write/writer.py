@@ -211,6 +211,8 @@ class RecordWriter:
             self._lock.acquire()
         try:
             state = inspect_directory(self.directory, self.options)
+            if state.layout is not None:
+                self._check_same_order(state.layout.shuffle_seed)
         except BaseException:
             self._lock.release()
             raise
@@ -224,6 +226,30 @@ class RecordWriter:
             self._progbar = self._make_progress(self.options.expected_samples)
         if self._progbar is not None and self.resumed_samples:
             self._progbar.update(self.resumed_samples)
+
+    def _check_same_order(self, began: int | None) -> None:
+        """Refuses to resume a conversion written in another order than the one asked
+        for: its shards hold the samples in the order of ``shuffle_seed=began``, so the
+        rest written in another order would repeat some samples and leave out others,
+        under a manifest naming the journal's seed."""
+        given = self.options.shuffle_seed
+        if began == given:
+            return
+        if began is None:
+            how = "in the order given (no `shuffle_seed`)"
+            fix = "with no `shuffle_seed`"
+        else:
+            how = f"with shuffle_seed={began}"
+            fix = (
+                f"with `ArraysToRecords.from_arrays(x, y, directory, shuffle_seed={began}, "
+                "resume=True)` and the same arrays (an iterable of batches, or this writer's "
+                "`write`, writes in the order given)"
+            )
+        raise ValueError(
+            f"The unfinished conversion in {self.directory} was begun {how}: its shards "
+            f"hold the samples in that order. Resume it {fix}, or start over with "
+            f"`overwrite=True`. Received: shuffle_seed={given}"
+        )
 
     def _adopt(self, layout: Layout, shards: list[ShardInfo]) -> None:
         self._layout = layout
@@ -385,14 +411,6 @@ def write_arrays(
                 f"The unfinished conversion in {directory} already holds {start} samples, "
                 f"more than the {batch.n} given: resume it with the same input."
             )
-        if start and writer._layout is not None:
-            began = writer._layout.shuffle_seed
-            if began != options.shuffle_seed:
-                raise ValueError(
-                    f"The unfinished conversion in {directory} was started with "
-                    f"shuffle_seed={began}; resume it with the same `shuffle_seed`. "
-                    f"Received: shuffle_seed={options.shuffle_seed}"
-                )
         if start < batch.n and options.shuffle_seed is None:
             writer._write_validated(batch, start)
         elif start < batch.n:
