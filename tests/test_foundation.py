@@ -431,13 +431,19 @@ def test_pandas_frames_and_series_are_arrays_as_keras_reads_them(tmp_path):
     with pytest.raises(TypeError, match=r"columns of `x`.*column 's' of dtype"):
         ArraysToRecords.from_arrays(mixed, labels, str(tmp_path / "mixed"), verbose=0)
     assert not os.path.exists(tmp_path / "mixed")
+    empty = pd.DataFrame(index=range(41))
+    with pytest.raises(ValueError, match=r"`x` \(a pandas DataFrame\) to have at least one col"):
+        ArraysToRecords.from_arrays(empty, labels, str(tmp_path / "empty"), verbose=0)
+    assert not os.path.exists(tmp_path / "empty")
 
 
 def test_a_ragged_tensor_is_variable_length_without_being_declared(tmp_path):
     """`TextVectorization(ragged=True)` gives a `tf.RaggedTensor`: written as a
-    variable-length feature, as a 1-D object array is, also in batches of a data set."""
+    variable-length feature, as a 1-D object array is, also in batches of a data set,
+    one of which holds rows of one length (its `numpy()` is a dense array)."""
     rng = np.random.default_rng(4)
     lengths = rng.integers(0, 7, 30)
+    lengths[8:16] = 3  # the second batch of 8
     rows = [rng.integers(1, 50, n).astype(np.int64) for n in lengths]
     tokens = tf.ragged.constant([r.tolist() for r in rows], dtype=tf.int64)
     y = np.arange(30)

@@ -889,6 +889,12 @@ def test_resume_from_an_iterable_of_batches_skips_what_was_written(tmp_path):
         (lambda a, b: (a[:, :1], b), ValueError, "shape"),
         (lambda a, b: (a, b[:-1]), ValueError, ""),
         (lambda a, b: (a, b, np.ones(len(b), np.float32)), ValueError, ""),
+        # Batches that hold no array: they escaped as IndexError or StopIteration.
+        (lambda a, b: 1.0, ValueError, r"first axis .*Received: 1.0 \(a float\)"),
+        (lambda a, b: None, ValueError, "Received: None"),
+        (lambda a, b: "abc", ValueError, "Received: 'abc' \\(a str\\)"),
+        (lambda a, b: ({}, b), ValueError, "Received: an empty dict"),
+        (lambda a, b: ([], b), ValueError, "Received: an empty list"),
     ],
 )
 def test_a_batch_that_changes_mid_way_is_named_and_nothing_is_lost(tmp_path, change, error, said):

@@ -37,6 +37,11 @@ def _pandas_values(v: Any, argument: str) -> np.ndarray:
     if columns is None:  # a Series: object values (lists, strings) are looked at below
         return np.asarray(v.to_numpy())
     dtypes = list(v.dtypes)
+    if not dtypes:
+        raise ValueError(
+            f"Expected `{argument}` (a pandas DataFrame) to have at least one column. "
+            f"Received: a DataFrame of {len(v)} rows and no columns"
+        )
     bad = [
         (c, d)
         for c, d in zip(columns, dtypes)
@@ -102,6 +107,10 @@ def _as_array_like(v: Any, argument: str, variable: bool = False) -> Any:
             values = np.asarray(v.numpy())
             if values.dtype == object and values.ndim == 1:  # a tf.RaggedTensor's rows
                 return Variable.from_values(values, argument)
+            if hasattr(v, "row_splits") and hasattr(v, "flat_values") and values.ndim >= 1:
+                # A tf.RaggedTensor whose rows happen to be of one length: `numpy()` gives a
+                # dense array, yet the feature stays variable-length (its other batches).
+                return Variable.from_values(list(values), argument)
             return values
         except TypeError as e:  # torch's bfloat16 and others without a NumPy dtype
             raise TypeError(
@@ -415,10 +424,28 @@ def split_batch(item: Any) -> tuple:
 
 
 def batch_len(parts: tuple) -> int:
+    """The samples in a batch of an iterable, from its first array (the batch is checked
+    whole when it is written); a ValueError for a batch that holds no array."""
     first = parts[0]
     while isinstance(first, (Mapping, list, tuple)):
+        if not first:
+            raise ValueError(
+                "Expected each batch of `x` to hold arrays whose first axis indexes samples. "
+                f"Received: an empty {type(first).__name__}"
+            )
         first = next(iter(first.values())) if isinstance(first, Mapping) else first[0]
-    return int(np.shape(first)[0])
+    shape = () if first is None or isinstance(first, (str, bytes)) else np.shape(first)
+    if not shape:
+        raise ValueError(
+            "Expected each batch of `x` to hold arrays whose first axis indexes samples. "
+            f"Received: {_short(first)} (a {type(first).__name__}), which has no first axis"
+        )
+    return int(shape[0])
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def take_rows(arr: Any, ids: np.ndarray) -> Any:
