@@ -331,3 +331,28 @@ def test_a_source_says_it_cannot_be_pickled_and_copy_copy_still_reads(make_datas
     gc.collect()  # the original, then what it held: the copy still runs its pipeline
     got = np.concatenate([np.asarray(b[0]) for b in shallow.map(lambda a, b: (a, b))])
     assert np.array_equal(got, x)
+
+
+def test_one_source_as_data_and_validation_data_reads_every_other_epoch(make_dataset):
+    """README: every iterator counts, whoever makes it: the same source given as
+    `validation_data` uses up an epoch at each validation, so `fit` trains on epochs 0,
+    2, 4 (a source of its own for validation keeps them 0, 1, 2)."""
+    x = np.arange(64, dtype=np.float32)[:, None]
+    d = make_dataset(x, x[:, 0])
+    seen: list[np.ndarray] = []
+
+    class Recording(keras.Sequential):
+        def train_step(self, data):
+            seen.append(np.asarray(data[1]))
+            return super().train_step(data)
+
+    for validation, epochs in (("same", [0, 2, 4]), ("own", [0, 1, 2])):
+        seen.clear()
+        src = TFRecordSequenceSource(d, batch_size=16, seed=0)
+        val = src if validation == "same" else TFRecordSequenceSource(d, batch_size=16, seed=0)
+        model = Recording([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", run_eagerly=True)
+        model.fit(src, validation_data=val, epochs=3, verbose=0)
+        read = np.concatenate(seen).reshape(3, 64)
+        for k, e in enumerate(epochs):
+            assert np.array_equal(read[k], src.sample_order(e)), (validation, k, e)
