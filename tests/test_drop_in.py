@@ -356,3 +356,45 @@ def test_one_source_as_data_and_validation_data_reads_every_other_epoch(make_dat
         read = np.concatenate(seen).reshape(3, 64)
         for k, e in enumerate(epochs):
             assert np.array_equal(read[k], src.sample_order(e)), (validation, k, e)
+
+
+def test_dict_inputs_come_in_key_order_and_class_weight_needs_number_labels(make_dataset):
+    """README: a dict comes with its keys sorted (a dict of arrays, under TensorFlow,
+    keeps the order it was built in); `class_weight` fails on bool labels, as for any
+    tf.data data set, and works on the same labels as uint8."""
+    rng = np.random.default_rng(0)
+    x = {"b": rng.random((32, 2)).astype(np.float32), "a": rng.random((32, 3)).astype(np.float32)}
+    y = rng.random(32) < 0.5
+    seen: list[list[str]] = []
+
+    class ByPosition(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            seen.append(list(inputs))
+            return self.dense(keras.ops.concatenate(list(inputs.values()), axis=-1))
+
+    model = ByPosition()
+    model.compile("sgd", "mse")
+    model.predict(x, batch_size=32, verbose=0)
+    assert seen[-1] == ["b", "a"]  # arrays: as built
+    src = TFRecordSequenceSource(make_dataset(x, y), batch_size=32, shuffle=False)
+    assert list(next(iter(src))[0]) == list(next(src.as_numpy_iterator())[0]) == ["a", "b"]
+    model = ByPosition()
+    model.compile("sgd", "mse")
+    model.predict(src.map(lambda x, y: x), verbose=0)
+    assert seen[-1] == ["a", "b"]  # a source: sorted
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, "sigmoid")])
+    model.compile("sgd", "binary_crossentropy")
+    weights = {0: 0.5, 1: 2.0}
+    bools = TFRecordSequenceSource(make_dataset(x["a"], y, name="b"), batch_size=8, seed=0)
+    with pytest.raises(TypeError, match="bool"):
+        model.fit(bools, class_weight=weights, epochs=1, verbose=0)
+    ints = TFRecordSequenceSource(
+        make_dataset(x["a"], y.astype(np.uint8), name="u"), batch_size=8, seed=0
+    )
+    model.fit(ints, class_weight=weights, epochs=1, verbose=0)
+    model.fit(x["a"], y, class_weight=weights, batch_size=8, epochs=1, verbose=0)  # arrays
