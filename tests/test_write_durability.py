@@ -4,14 +4,18 @@ before and after its rename."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from keras_tfr import ArraysToRecords
-from keras_tfr.manifest import MANIFEST_NAME
+from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
+from keras_tfr.verifier import verify
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/fd"), reason="maps file descriptors to paths via /proc"
@@ -120,3 +124,128 @@ def test_write_back_of_each_shard_starts_as_it_closes(tmp_path, monkeypatch):
     x = np.arange(400, dtype=np.float32).reshape(100, 4)
     m = ArraysToRecords.from_arrays(x, str(tmp_path / "ds"), samples_per_record=4, verbose=0)
     assert started == [(s.file + ".tmp", True) for s in m.shards]
+
+
+# ------------------------------------------------- a compressed shard the disk refuses
+
+
+def _mostly_incompressible(n, zero_samples):
+    """Random samples whose first `zero_samples` are zeros: shards that compress to
+    little, then shards that do not."""
+    x = np.random.default_rng(0).standard_normal((n, 16)).astype(np.float32)
+    x[:zero_samples] = 0
+    return x
+
+
+def _assert_resumes_to_one_write(d, ref, x, layout):
+    """`resume=True` finishes the data set as one uninterrupted write would have."""
+    ArraysToRecords.from_arrays(x, d, resume=True, **layout)
+    ArraysToRecords.from_arrays(x, ref, **layout)
+    manifests = [Manifest.load(p) for p in (d, ref)]
+    assert manifests[0].shards == manifests[1].shards
+    for s in manifests[0].shards:
+        with open(os.path.join(d, s.file), "rb") as a, open(os.path.join(ref, s.file), "rb") as b:
+            assert a.read() == b.read(), s.file
+    assert verify(d).ok
+
+
+_COMPRESSED_FILE_SIZE_LIMIT = """
+import json, resource, sys, traceback
+from keras_tfr import ArraysToRecords
+sys.path.insert(0, sys.argv[1])
+from test_write_durability import _mostly_incompressible
+
+d, compression = sys.argv[2], sys.argv[3]
+limit, shard_size, samples_per_record, zero_samples, n = map(int, sys.argv[4:])
+x = _mostly_incompressible(n, zero_samples)
+# Writes past `limit` bytes fail with EFBIG (Python ignores SIGXFSZ), as on a full disk.
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    ArraysToRecords.from_arrays(x, d, samples_per_record=samples_per_record,
+                                shard_size=shard_size, compression=compression,
+                                min_shards=1, verbose=0)
+    print(json.dumps(None))
+except OSError as e:
+    cause = e.__cause__ if e.__cause__ is not None else e
+    frames = [f.name for f in traceback.extract_tb(cause.__traceback__)]
+    print(json.dumps([type(e).__name__, e.errno, str(e), frames]))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "compression, limit, shard_size, samples_per_record, refused_in",
+    [
+        # About 8 KB a shard: TensorFlow's writer buffers it, its `close` is refused.
+        ("GZIP", 4000, 8192, 4, "close"),
+        ("ZLIB", 4000, 8192, 4, "close"),
+        # About 2 MB a shard: a `write` is refused, in the writing thread.
+        ("GZIP", 100_000, 2_000_000, 64, "write_many"),
+    ],
+)
+def test_a_compressed_shard_over_the_file_size_limit_names_the_shard(
+    tmp_path, compression, limit, shard_size, samples_per_record, refused_in
+):
+    """TensorFlow's writer said a file size limit as `OutOfRangeError` (a full disk:
+    `ResourceExhaustedError`), which is no OSError: the CLI printed a traceback. It is the
+    OSError of EFBIG that names the shard, as for an uncompressed one; the complete shards
+    and the journal stay, nothing partial, no manifest, and `resume=True` finishes."""
+    layout = dict(
+        samples_per_record=samples_per_record,
+        shard_size=shard_size,
+        compression=compression,
+        min_shards=1,
+        verbose=0,
+    )
+    # A sample takes at least 64 bytes: 3 * shard_size // 64 samples fill 3 shards.
+    probe = np.zeros((3 * shard_size // 64, 16), np.float32)
+    m = ArraysToRecords.from_arrays(probe, str(tmp_path / "probe"), **layout)
+    per_shard = m.shards[0].records * samples_per_record
+    zero_samples, n = 2 * per_shard, 3 * per_shard  # shards 0 and 1 fit, shard 2 does not
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [limit, shard_size, samples_per_record, zero_samples, n]
+    child = subprocess.run(
+        [sys.executable, "-c", _COMPRESSED_FILE_SIZE_LIMIT, here, d, compression]
+        + [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    kind, code, said, frames = json.loads(child.stdout.splitlines()[-1])
+    assert (kind, code) == ("OSError", errno.EFBIG), said
+    shard = os.path.join(d, "shard-00002.tfrecord.tmp")
+    assert said == f"[Errno 27] Could not write the shard {shard}: File too large"
+    assert [f for f in ("write_many", "close") if f in frames] == [refused_in], frames
+    assert sorted(os.listdir(d)) == [PROGRESS_NAME, "shard-00000.tfrecord", "shard-00001.tfrecord"]
+    x = _mostly_incompressible(n, zero_samples)
+    _assert_resumes_to_one_write(d, ref, x, layout)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (ENOSPC)")
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_a_compressed_shard_on_a_full_disk_names_the_shard(tmp_path, monkeypatch, compression):
+    """The same for a full disk: TensorFlow writes the third shard to /dev/full, which
+    refuses every write with ENOSPC."""
+    from keras_tfr.write import sink
+
+    real_open = sink.open_record_file
+
+    def third_shard_on_a_full_disk(path, compression):
+        if os.path.basename(path) == "shard-00002.tfrecord.tmp":
+            os.symlink("/dev/full", path)
+        return real_open(path, compression)
+
+    monkeypatch.setattr(sink, "open_record_file", third_shard_on_a_full_disk)
+    layout = dict(samples_per_record=4, shard_size=1000, compression=compression, verbose=0)
+    x = _mostly_incompressible(200, 0)
+    d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
+    with pytest.raises(OSError) as e:
+        ArraysToRecords.from_arrays(x, d, **layout)
+    assert e.value.errno == errno.ENOSPC
+    shard = os.path.join(d, "shard-00002.tfrecord.tmp")
+    assert str(e.value) == f"[Errno 28] Could not write the shard {shard}: No space left on device"
+    assert sorted(os.listdir(d)) == [PROGRESS_NAME, "shard-00000.tfrecord", "shard-00001.tfrecord"]
+    monkeypatch.setattr(sink, "open_record_file", real_open)
+    _assert_resumes_to_one_write(d, ref, x, layout)

@@ -10,9 +10,11 @@ the frame layout of `keras_tfr.format.framing`); compressed ones by TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from keras_tfr import _crc, _io
@@ -188,12 +190,39 @@ def open_record_file(path: str, compression: str | None) -> Any:
         return _FramedFile(path)
     import tensorflow as tf
 
-    writer = tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
+    with _tf_errors_as_os_errors():
+        writer = tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
     return _CompressedFile(writer)
 
 
+def _os_error(e: Any) -> OSError:
+    """The `OSError` a TensorFlow file error stands for, without a file name (as
+    `os.writev` raises it). TensorFlow says a failed system call as ``"<file>;
+    <strerror>"``: "...; No space left on device" (`ResourceExhaustedError`, ENOSPC),
+    "...; File too large" (`OutOfRangeError`, EFBIG). EIO when the text names no errno."""
+    message = str(e.message or "")
+    said = message.rsplit("; ", 1)[-1].strip()
+    for code in sorted(errno.errorcode):
+        if os.strerror(code) == said:
+            return OSError(code, said)
+    return OSError(errno.EIO, f"{type(e).__name__}: {message}")
+
+
+@contextlib.contextmanager
+def _tf_errors_as_os_errors() -> Iterator[None]:
+    """Raises the errors of TensorFlow's writer (a full disk, a file size limit) as
+    `OSError`, so that `ShardFiles` names the shard as it does for an uncompressed one."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.OpError as e:
+        raise _os_error(e) from e
+
+
 class _CompressedFile:
-    """GZIP/ZLIB shards: TensorFlow's writer frames and compresses."""
+    """GZIP/ZLIB shards: TensorFlow's writer frames and compresses. Its errors are raised
+    as `OSError` (`_tf_errors_as_os_errors`)."""
 
     def __init__(self, writer: Any):
         self._writer = writer
@@ -201,14 +230,16 @@ class _CompressedFile:
     def write(self, record: Any, crc: int | None = None) -> None:
         if isinstance(record, list):
             record = b"".join(bytes(p) for p in record)
-        self._writer.write(record)
+        with _tf_errors_as_os_errors():
+            self._writer.write(record)
 
     def write_many(self, records: list[tuple[Any, int | None]]) -> None:
         for record, crc in records:
             self.write(record, crc)
 
     def close(self) -> None:
-        self._writer.close()
+        with _tf_errors_as_os_errors():
+            self._writer.close()
 
 
 def _journal_lists(directory: str, name: str) -> bool:
