@@ -91,3 +91,137 @@ def test_the_progress_bar_is_drawn_on_a_terminal_only(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert "300 samples" in out  # the summary, either way
     assert ("/sample" in out or "\r" in out or "\x1b[" in out) == tty, out
+
+
+# ------------------------------------------------------------------ convert's SPECs
+
+
+@pytest.fixture
+def raw(tmp_path, monkeypatch):
+    """``raw.bin`` (200 float32, 800 bytes) and ``x.npy`` in the working directory;
+    `np.memmap` fails the test if it is called (a memmap of an object dtype reads the
+    file's bytes as pointers: it crashed the process with a segmentation fault)."""
+    monkeypatch.chdir(tmp_path)
+    np.arange(200, dtype=np.float32).tofile("raw.bin")
+    np.save("x.npy", np.zeros((50, 3), np.float32))
+
+    def memmap(*args, **kwargs):
+        raise AssertionError(f"np.memmap{args} was built for a SPEC to refuse")
+
+    monkeypatch.setattr(np, "memmap", memmap)
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", ["object", "O", "complex64", "S4", "datetime64[s]"])
+def test_convert_refuses_a_raw_dtype_the_writer_cannot_store_before_any_memmap(raw, capsys, dtype):
+    """``raw.bin:object`` (or ``:O``) ended the process with a segmentation fault (exit
+    139); other dtypes the writer refuses were memory-mapped first. Exit 2, one line
+    naming the flag, the SPEC and the dtypes a raw file may have."""
+    spec = f"raw.bin:{dtype}"
+    assert main(["convert", "ds", "--x", spec, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras-tfr convert: error: cannot read --x spec {spec!r}: "), err
+    assert "Expected a raw file's dtype to be one of [" in err and "'float32'" in err, err
+    assert f"Received: {dtype!r}" in err and err.count("\n") == 1, err
+    assert not os.path.exists(raw / "ds")
+
+
+@pytest.mark.parametrize(
+    "shape, said",
+    [
+        # Was an OverflowError's traceback (exit 1).
+        ("99999999999999999999", "less than one sample of 399999999999999999996 bytes"),
+        # Was "samples of -9786976294838206464 bytes": the product wrapped around in int64.
+        ("4000000000,4000000000", "less than one sample of 64000000000000000000 bytes"),
+        ("1000", "less than one sample of 4000 bytes"),
+        ("3", "not a whole number of samples of 12 bytes"),
+    ],
+)
+def test_convert_refuses_a_raw_shape_larger_than_the_file_in_python_ints(raw, capsys, shape, said):
+    spec = f"raw.bin:float32:{shape}"
+    assert main(["convert", "ds", "--x", spec, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras-tfr convert: error: cannot read --x spec {spec!r}: "), err
+    assert f"raw.bin holds 800 bytes, {said}" in err and err.count("\n") == 1, err
+    assert not os.path.exists(raw / "ds")
+
+
+def _unreadable(name: str) -> None:
+    """Writes the file of an unreadable SPEC in the working directory."""
+    good = np.zeros((50, 3), np.float32)
+    if name == "trunc.npy":
+        np.save("full.npy", good)
+        with open("full.npy", "rb") as f:
+            head = f.read(100)
+        with open(name, "wb") as f:
+            f.write(head)
+    elif name == "obj.npy":
+        np.save(name, np.array([b"a"] * 50, dtype=object), allow_pickle=True)
+    elif name == "zip.npy":  # an .npz named .npy: np.load gave an archive, not an array
+        np.savez("zip.npz", a=good)
+        os.rename("zip.npz", name)
+    elif name == "trunc.npz":
+        np.savez("full.npz", a=good)
+        with open("full.npz", "rb") as f:
+            head = f.read(200)
+        with open(name, "wb") as f:
+            f.write(head)
+    elif name == "one.npz":  # an .npy named .npz: np.load gave an array, not an archive
+        np.save("one.npy", good)
+        os.rename("one.npy", name)
+    elif name.startswith("empty"):
+        open(name, "wb").close()
+    else:
+        with open(name, "w") as f:
+            f.write("garbage\n")
+
+
+@pytest.mark.parametrize(
+    "spec, said",
+    [
+        ("trunc.npy", "EOF: reading array header, expected 118 bytes got 90"),
+        ("garbage.npy", "garbage.npy is not a .npy file (it does not start with NumPy's header)"),
+        ("empty.npy", "empty.npy is not a .npy file (it is empty)"),  # was an EOFError
+        ("zip.npy", "zip.npy is not a .npy file"),
+        ("obj.npy", "Array can't be memory-mapped: Python objects in dtype."),
+        ("trunc.npz:a", "File is not a zip file"),  # was a zipfile.BadZipFile traceback
+        ("one.npz", "one.npz holds one array, not a .npz archive"),  # was an AttributeError
+        ("garbage.h5:x", "file signature not found"),
+        ("empty.bin:float32", "empty.bin is empty: no samples"),  # "cannot mmap an empty file"
+    ],
+)
+@pytest.mark.parametrize("flag", ["--y", "--x", "--sample-weight"])
+def test_convert_errors_of_an_unreadable_file_name_its_flag_and_spec(
+    tmp_path, monkeypatch, capsys, spec, said, flag
+):
+    """With several files given, "EOF: reading array header ..." or "cannot mmap an empty
+    file" did not tell which was bad: the error names the flag and the SPEC (a named
+    input's ``NAME=SPEC`` as given), exit 2, one line, before anything is written."""
+    if spec.endswith(".h5:x"):
+        pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    np.save("x.npy", np.zeros((50, 3), np.float32))
+    np.save("y.npy", np.arange(50))
+    _unreadable(spec.split(":")[0])
+    given = {
+        "--x": ["--x", "a=x.npy", "--x", f"b={spec}", "--y", "y.npy"],
+        "--y": ["--x", "x.npy", "--y", spec],
+        "--sample-weight": ["--x", "x.npy", "--y", "y.npy", "--sample-weight", spec],
+    }[flag]
+    assert main(["convert", "ds", *given, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    shown = f"b={spec}" if flag == "--x" else spec
+    assert err.startswith(f"keras-tfr convert: error: cannot read {flag} spec {shown!r}: "), err
+    assert said in err and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "ds")
+
+
+def test_convert_names_the_flag_of_a_missing_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    np.save("x.npy", np.zeros((50, 3), np.float32))
+    assert main(["convert", "ds", "--x", "x.npy", "--y", "nope.npy", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "keras-tfr convert: error: cannot read --y spec 'nope.npy': 'nope.npy' does not exist\n"
+    )

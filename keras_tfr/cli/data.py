@@ -10,10 +10,13 @@ shard); 2 bad usage or input (a missing file, an invalid manifest, a bad argumen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -65,30 +68,47 @@ def load_array(spec: str) -> Any:
     ``file.npy``; ``file.npz:key`` (``.npz`` members are read into memory: NumPy cannot
     memory-map inside a zip; store large arrays as ``.npy``); ``file.h5:group/dataset``;
     ``file.bin:DTYPE:D1,D2`` for a raw memmap of samples of shape ``(D1, D2)``
-    (``file.bin:DTYPE`` for scalars).
+    (``file.bin:DTYPE`` for scalars; DTYPE one of the dtypes keras-tfr stores).
 
     Raises:
-        ValueError, OSError: the SPEC is malformed or the file cannot be opened.
+        ValueError, OSError: the SPEC is malformed or the file cannot be opened or read;
+            the message starts with the SPEC (``'x.npy': ...``).
     """
     import numpy as np
 
     path, rest = _split_spec(spec)
     lower = path.lower()
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path!r} does not exist (from {spec!r})")
+        raise FileNotFoundError(
+            f"{path!r} does not exist" + (f" (from {spec!r})" if path != spec else "")
+        )
     if lower.endswith(".npy"):
         if rest:
             raise ValueError(f"{spec!r}: a .npy file takes no ':KEY'")
-        return np.load(path, mmap_mode="r")
+        with _reading(spec), open(path, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+        if magic != _NPY_MAGIC:
+            # np.load would take it for a pickle ("contains pickled (object) data") or,
+            # from a zip, return an archive rather than an array.
+            raise ValueError(
+                f"{spec!r}: {path} is not a .npy file "
+                + ("(it is empty)" if not magic else "(it does not start with NumPy's header)")
+            )
+        with _reading(spec):
+            return np.load(path, mmap_mode="r")
     if lower.endswith(".npz"):
-        archive = np.load(path)
+        with _reading(spec):
+            archive = np.load(path)
+        if not hasattr(archive, "files"):
+            raise ValueError(f"{spec!r}: {path} holds one array, not a .npz archive of arrays")
         if not rest:
             if len(archive.files) != 1:
                 raise ValueError(f"{spec!r}: name one of the arrays {archive.files} as {path}:KEY")
             rest = archive.files[0]
         if rest not in archive.files:
             raise ValueError(f"{spec!r}: {path} has no array {rest!r} (it has {archive.files})")
-        return archive[rest]
+        with _reading(spec):
+            return archive[rest]
     if lower.endswith(_H5_SUFFIXES):
         try:
             import h5py
@@ -96,10 +116,45 @@ def load_array(spec: str) -> Any:
             raise ValueError(f"{spec!r}: reading HDF5 needs h5py (pip install h5py)") from e
         if not rest:
             raise ValueError(f"{spec!r}: name the data set as {path}:DATASET")
-        f = h5py.File(path, "r")
-        if rest not in f or not isinstance(f[rest], h5py.Dataset):
+        with _reading(spec):
+            f = h5py.File(path, "r")
+            found = rest in f and isinstance(f[rest], h5py.Dataset)
+        if not found:
             raise ValueError(f"{spec!r}: {path} has no data set {rest!r}")
         return f[rest]
+    dt, sample_shape = _raw_layout(spec, path, rest)
+    with _reading(spec):
+        size = os.path.getsize(path)
+    # Python ints: a product of large dimensions does not wrap around as int64 would.
+    sample_bytes = dt.itemsize * math.prod(sample_shape)
+    layout = f"dtype {dt}, shape {sample_shape}"
+    if size == 0:
+        raise ValueError(f"{spec!r}: {path} is empty: no samples ({layout})")
+    if size < sample_bytes:
+        raise ValueError(
+            f"{spec!r}: {path} holds {size} bytes, less than one sample of {sample_bytes} "
+            f"bytes ({layout})"
+        )
+    if size % sample_bytes:
+        raise ValueError(
+            f"{spec!r}: {path} holds {size} bytes, not a whole number of samples of "
+            f"{sample_bytes} bytes ({layout})"
+        )
+    with _reading(spec):
+        return np.memmap(path, dtype=dt, mode="r", shape=(size // sample_bytes, *sample_shape))
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _raw_layout(spec: str, path: str, rest: str) -> tuple[Any, tuple[int, ...]]:
+    """A raw SPEC's ``DTYPE[:D1,D2]``: the NumPy dtype, one keras-tfr stores, and the
+    per-sample shape. Checked before any memmap is made: a memmap of an object dtype
+    reads the file's bytes as pointers (and crashes the process)."""
+    import numpy as np
+
+    from keras_tfr.schema import SUPPORTED_DTYPES
+
     dtype, _, shape = rest.partition(":")
     if not dtype:
         raise ValueError(
@@ -109,21 +164,31 @@ def load_array(spec: str) -> Any:
     try:
         dt = np.dtype(dtype)
         sample_shape = tuple(int(d) for d in shape.split(",")) if shape else ()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, SyntaxError) as e:  # np.dtype("f4,(2"): SyntaxError
         raise ValueError(f"{spec!r}: bad dtype or shape ({e})") from e
+    if dt.name not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{spec!r}: Expected a raw file's dtype to be one of {sorted(SUPPORTED_DTYPES)}. "
+            f"Received: {dtype!r} (NumPy dtype {dt})"
+        )
     if any(d < 1 for d in sample_shape):
         raise ValueError(
             f"{spec!r}: bad shape {shape!r}: every dimension must be a positive int, as in "
             f"{path}:{dtype}:28,28"
         )
-    sample_bytes = dt.itemsize * int(np.prod(sample_shape, dtype=np.int64))
-    size = os.path.getsize(path)
-    if sample_bytes == 0 or size % sample_bytes:
-        raise ValueError(
-            f"{spec!r}: {path} holds {size} bytes, not a whole number of samples of "
-            f"{sample_bytes} bytes (dtype {dt}, shape {sample_shape})"
-        )
-    return np.memmap(path, dtype=dt, mode="r", shape=(size // sample_bytes, *sample_shape))
+    return dt, sample_shape
+
+
+@contextlib.contextmanager
+def _reading(spec: str) -> Iterator[None]:
+    """Names ``spec`` in the errors of the libraries that open and read its file
+    (NumPy's "EOF: reading array header", h5py's "file signature not found", a
+    `zipfile.BadZipFile`, ...), as a `ValueError` (an `OSError` stays one)."""
+    try:
+        yield
+    except Exception as e:
+        message = f"{spec!r}: {str(e) or type(e).__name__}"
+        raise (OSError if isinstance(e, OSError) else ValueError)(message) from e
 
 
 def _split_spec(spec: str) -> tuple[str, str]:
@@ -138,15 +203,25 @@ def _split_spec(spec: str) -> tuple[str, str]:
     return path, rest
 
 
-def _role_value(specs: list[str] | None) -> Any:
+def _load(flag: str, given: str, spec: str) -> Any:
+    """`load_array` of ``spec``, given to ``flag`` as ``given`` (``NAME=SPEC`` or the
+    SPEC): its errors name both, so that the bad one of several files is told."""
+    try:
+        return load_array(spec)
+    except (ValueError, TypeError, OSError) as e:
+        message = str(e).removeprefix(f"{spec!r}: ")
+        raise ValueError(f"cannot read {flag} spec {given!r}: {message}") from e
+
+
+def _role_value(specs: list[str] | None, flag: str) -> Any:
     """One SPEC -> an array; several ``NAME=SPEC`` -> a dict. A SPEC whose file name holds
-    ``=`` is a SPEC, not ``NAME=SPEC``."""
+    ``=`` is a SPEC, not ``NAME=SPEC``. ``flag`` (``--x``, ``--y``) is named in errors."""
     if not specs:
         return None
     if len(specs) == 1 and (
         "=" not in specs[0].split(":")[0] or os.path.isfile(_split_spec(specs[0])[0])
     ):
-        return load_array(specs[0])
+        return _load(flag, specs[0], specs[0])
     out = {}
     for s in specs:
         name, sep, spec = s.partition("=")
@@ -154,7 +229,7 @@ def _role_value(specs: list[str] | None) -> Any:
             raise ValueError(f"with several arrays for one role, name each: NAME=SPEC (got {s!r})")
         if name in out:
             raise ValueError(f"the name {name!r} is given twice (NAME=SPEC names one array each)")
-        out[name] = load_array(spec)
+        out[name] = _load(flag, s, spec)
     return out
 
 
@@ -193,9 +268,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     if args.overwrite and args.resume:
         return _error("convert", "--overwrite and --resume contradict each other: pass one of them")
-    x = _role_value(args.x)
-    y = _role_value(args.y)
-    sw = load_array(args.sample_weight) if args.sample_weight else None
+    x = _role_value(args.x, "--x")
+    y = _role_value(args.y, "--y")
+    sw = args.sample_weight
+    sw = _load("--sample-weight", sw, sw) if sw else None
     from keras_tfr.write.arrays_to_records import ArraysToRecords
 
     manifest = ArraysToRecords.from_arrays(
