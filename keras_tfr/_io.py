@@ -41,10 +41,12 @@ def _gfile() -> Any:
 
 
 @contextlib.contextmanager
-def _os_errors(path: str) -> Iterator[None]:
-    """Raises `tf.io.gfile`'s errors as the `OSError` that `os` raises for a local path
-    (`FileNotFoundError` for a missing file, ...), so that every caller handles a URL as
-    it handles a local path: ``missing_ok``, a resume's missing shard."""
+def os_errors(path: str | None = None) -> Iterator[None]:
+    """Raises `tf.io.gfile`'s (and TensorFlow's record writer's) errors as the `OSError`
+    that `os` raises for a local path (`FileNotFoundError` for a missing file, ...), so
+    that every caller handles a URL as it handles a local path: ``missing_ok``, a
+    resume's missing shard, a full disk. ``path``: the error's file name (None: none, as
+    ``os.writev`` gives none)."""
     import tensorflow as tf
 
     try:
@@ -56,7 +58,19 @@ def _os_errors(path: str) -> Iterator[None]:
     except tf.errors.AlreadyExistsError as e:
         raise FileExistsError(errno.EEXIST, e.message or "File exists", path) from e
     except tf.errors.OpError as e:
-        raise OSError(errno.EIO, f"{type(e).__name__}: {e.message}", path) from e
+        raise _errno_error(str(e.message or ""), type(e).__name__, path) from e
+
+
+def _errno_error(message: str, kind: str, path: str | None) -> OSError:
+    """TensorFlow says a failed system call as ``"<file>; <strerror>"``: "...; No space
+    left on device" (`ResourceExhaustedError`: ENOSPC), "...; File too large"
+    (`OutOfRangeError`: EFBIG). The `OSError` of that errno, or EIO when the text names
+    none."""
+    said = message.rsplit("; ", 1)[-1].strip()
+    for code in sorted(errno.errorcode):
+        if os.strerror(code) == said:
+            return OSError(code, said, path)
+    return OSError(errno.EIO, f"{kind}: {message}", path)
 
 
 def join(directory: str, name: str) -> str:
@@ -68,21 +82,21 @@ def join(directory: str, name: str) -> str:
 
 def exists(path: str) -> bool:
     if is_remote(path):
-        with _os_errors(path):
+        with os_errors(path):
             return bool(_gfile().exists(path))
     return os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
     if is_remote(path):
-        with _os_errors(path):
+        with os_errors(path):
             return bool(_gfile().isdir(path))
     return os.path.isdir(path)
 
 
 def makedirs(path: str) -> None:
     if is_remote(path):
-        with _os_errors(path):
+        with os_errors(path):
             _gfile().makedirs(path)
     else:
         os.makedirs(path, exist_ok=True)
@@ -101,14 +115,14 @@ def remove_empty_directory(path: str) -> None:
 
 def listdir(path: str) -> list[str]:
     if is_remote(path):
-        with _os_errors(path):
+        with os_errors(path):
             return [n.rstrip("/") for n in _gfile().listdir(path)]
     return os.listdir(path)
 
 
 def size(path: str) -> int:
     if is_remote(path):
-        with _os_errors(path):
+        with os_errors(path):
             return int(_gfile().stat(path).length)
     return os.stat(path).st_size
 
@@ -116,7 +130,7 @@ def size(path: str) -> int:
 def remove(path: str, missing_ok: bool = True) -> None:
     try:
         if is_remote(path):
-            with _os_errors(path):
+            with os_errors(path):
                 _gfile().remove(path)
         else:
             os.remove(path)
@@ -128,7 +142,7 @@ def remove(path: str, missing_ok: bool = True) -> None:
 def rename(src: str, dst: str) -> None:
     """Atomic on local file systems (``os.replace``); a copy and delete on object stores."""
     if is_remote(src):
-        with _os_errors(src):
+        with os_errors(src):
             _gfile().rename(src, dst, overwrite=True)
     else:
         os.replace(src, dst)
@@ -136,7 +150,7 @@ def rename(src: str, dst: str) -> None:
 
 def read_bytes(path: str) -> bytes:
     if is_remote(path):
-        with _os_errors(path), _gfile().GFile(path, "rb") as f:
+        with os_errors(path), _gfile().GFile(path, "rb") as f:
             return bytes(f.read())
     with open(path, "rb") as f:
         return f.read()
@@ -160,7 +174,7 @@ def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         if is_remote(path):
-            with _os_errors(tmp), _gfile().GFile(tmp, "wb") as f:
+            with os_errors(tmp), _gfile().GFile(tmp, "wb") as f:
                 f.write(data)
         else:
             with open(tmp, "wb") as f:

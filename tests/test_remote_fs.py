@@ -10,6 +10,7 @@ file named ``ram:``.
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import uuid
 
@@ -205,6 +206,23 @@ def test_url_errors_are_the_os_errors_of_a_local_path():
         _io.read_bytes(missing)
     with pytest.raises(FileNotFoundError):
         _io.size(missing)
+
+
+@pytest.mark.parametrize(
+    "error, message, code",
+    [
+        (tf.errors.ResourceExhaustedError, "gs://b/s.tmp; No space left on device", errno.ENOSPC),
+        (tf.errors.OutOfRangeError, "/d/s.tmp; File too large", errno.EFBIG),
+        (tf.errors.UnknownError, "the connection broke", errno.EIO),
+    ],
+)
+def test_writer_errors_become_os_errors_of_their_errno(error, message, code):
+    """A shard written through TensorFlow (a URL, or GZIP/ZLIB) that the disk refuses
+    raises the `OSError` of the errno TensorFlow's text names, as `os.writev` would."""
+    with pytest.raises(OSError) as got, _io.os_errors():
+        raise error(None, None, message)
+    assert got.value.errno == code and got.value.filename is None
+    assert type(got.value) is OSError and message.rsplit("; ", 1)[-1] in str(got.value)
 
 
 @pytest.mark.parametrize("fresh", [False, True])

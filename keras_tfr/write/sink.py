@@ -10,11 +10,9 @@ the frame layout of `keras_tfr.format.framing`); compressed ones by TensorFlow.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import struct
 import sys
-from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from keras_tfr import _crc, _io
@@ -139,7 +137,8 @@ class _FramedFile:
         if self._remote:
             import tensorflow as tf
 
-            self._f = tf.io.gfile.GFile(path, "wb")
+            with _io.os_errors():
+                self._f = tf.io.gfile.GFile(path, "wb")
         else:
             self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
@@ -167,8 +166,9 @@ class _FramedFile:
 
     def _write_parts(self, parts: list[Any], total: int) -> None:
         if self._remote:
-            for part in parts:
-                self._f.write(bytes(part))
+            with _io.os_errors():
+                for part in parts:
+                    self._f.write(bytes(part))
             return
         assert self._fd is not None  # a local file is open until close()
         written = os.writev(self._fd, parts)
@@ -179,7 +179,8 @@ class _FramedFile:
 
     def close(self) -> None:
         if self._remote:
-            self._f.close()
+            with _io.os_errors():
+                self._f.close()
         elif self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -190,39 +191,14 @@ def open_record_file(path: str, compression: str | None) -> Any:
         return _FramedFile(path)
     import tensorflow as tf
 
-    with _tf_errors_as_os_errors():
+    with _io.os_errors():
         writer = tf.io.TFRecordWriter(path, tf.io.TFRecordOptions(compression_type=compression))
     return _CompressedFile(writer)
 
 
-def _os_error(e: Any) -> OSError:
-    """The `OSError` a TensorFlow file error stands for, without a file name (as
-    `os.writev` raises it). TensorFlow says a failed system call as ``"<file>;
-    <strerror>"``: "...; No space left on device" (`ResourceExhaustedError`, ENOSPC),
-    "...; File too large" (`OutOfRangeError`, EFBIG). EIO when the text names no errno."""
-    message = str(e.message or "")
-    said = message.rsplit("; ", 1)[-1].strip()
-    for code in sorted(errno.errorcode):
-        if os.strerror(code) == said:
-            return OSError(code, said)
-    return OSError(errno.EIO, f"{type(e).__name__}: {message}")
-
-
-@contextlib.contextmanager
-def _tf_errors_as_os_errors() -> Iterator[None]:
-    """Raises the errors of TensorFlow's writer (a full disk, a file size limit) as
-    `OSError`, so that `ShardFiles` names the shard as it does for an uncompressed one."""
-    import tensorflow as tf
-
-    try:
-        yield
-    except tf.errors.OpError as e:
-        raise _os_error(e) from e
-
-
 class _CompressedFile:
     """GZIP/ZLIB shards: TensorFlow's writer frames and compresses. Its errors are raised
-    as `OSError` (`_tf_errors_as_os_errors`)."""
+    as `OSError` (`_io.os_errors`)."""
 
     def __init__(self, writer: Any):
         self._writer = writer
@@ -230,7 +206,7 @@ class _CompressedFile:
     def write(self, record: Any, crc: int | None = None) -> None:
         if isinstance(record, list):
             record = b"".join(bytes(p) for p in record)
-        with _tf_errors_as_os_errors():
+        with _io.os_errors():
             self._writer.write(record)
 
     def write_many(self, records: list[tuple[Any, int | None]]) -> None:
@@ -238,7 +214,7 @@ class _CompressedFile:
             self.write(record, crc)
 
     def close(self) -> None:
-        with _tf_errors_as_os_errors():
+        with _io.os_errors():
             self._writer.close()
 
 
