@@ -640,21 +640,40 @@ def _interrupt_after(d, x, y, n):
 
 
 @pytest.mark.parametrize(
-    "where", ["before the journal lists it", "as the journal lists it", "before its rename"]
+    "where",
+    [
+        "as its file is made",
+        "before the journal lists it",
+        "as the journal lists it",
+        "before its rename",
+    ],
 )
 def test_ctrl_c_while_a_shard_closes_leaves_no_partial_shard(tmp_path, monkeypatch, where):
     """Ctrl-C between a shard's close and its rename left its ``.tmp`` file behind, and
     one inside the journal's write, once the journal on disk listed the shard, left the
-    journal listing a shard whose file was removed. A shard the journal does not list
-    yet goes; one it lists takes its name; resume then writes the rest, the same data
-    set as one uninterrupted write."""
+    journal listing a shard whose file was removed; one as the next shard's file was
+    made (created, not yet the writer's) left that ``.tmp`` (a SIGTERM to `convert`, once
+    in 30 runs). A shard the journal does not list yet goes; one it lists takes its
+    name; resume then writes the rest, the same data set as one uninterrupted write."""
     from keras_tfr import _io
     from keras_tfr.write import sink
 
     d, ref = str(tmp_path / "ds"), str(tmp_path / "ref")
     x, y = _data()
     calls = {"n": 0}
-    if where == "before the journal lists it":
+    if where == "as its file is made":
+        made = sink.open_record_file
+
+        def interrupted(path, compression):
+            file = made(path, compression)
+            calls["n"] += 1
+            if calls["n"] == 2:  # the file exists; the interrupt comes before the writer has it
+                file.close()
+                raise KeyboardInterrupt
+            return file
+
+        monkeypatch.setattr(sink, "open_record_file", interrupted)
+    elif where == "before the journal lists it":
         original = sink.start_writeback
 
         def interrupted(path):
@@ -693,7 +712,7 @@ def test_ctrl_c_while_a_shard_closes_leaves_no_partial_shard(tmp_path, monkeypat
     listed = json.loads(Path(os.path.join(d, PROGRESS_NAME)).read_text())["shards"]
     on_disk = sorted(f for f in left if f.startswith("shard-"))
     assert on_disk == sorted(s["file"] for s in listed)
-    assert len(on_disk) == (1 if where == "before the journal lists it" else 2)
+    assert len(on_disk) == (2 if where in ("as the journal lists it", "before its rename") else 1)
     ArraysToRecords.from_arrays(x, y, d, resume=True, **LAYOUT)
     ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
     _assert_same_dataset(d, ref)

@@ -246,10 +246,11 @@ class ShardFiles:
         self.shards = list(shards)  # complete and renamed, resumed ones included
         self._journal_entries: list[str] = []  # `write_journal`'s encoded shards
         self._file: Any = None
+        # The temporary file of the shard being written or closed, from before it is
+        # created until it is renamed (or removed), and whether the journal lists it:
+        # what `abort` removes, or renames, after an interrupt (Ctrl-C, SIGTERM) anywhere
+        # in between.
         self._tmp = ""
-        # A shard closed and not renamed yet (`close_shard`), and whether the journal
-        # lists it: what `abort` must finish or remove after an interrupt in between.
-        self._unrenamed: str | None = None
         self._journaled = False
         self._samples = self._records = self._crc = 0
         self._sink: _RecordSink | None = None
@@ -294,7 +295,8 @@ class ShardFiles:
 
     def _open_shard(self) -> None:
         name = SHARD_FILE.format(len(self.shards))
-        self._tmp = _io.join(self.directory, name + ".tmp")
+        self._journaled = False
+        self._tmp = _io.join(self.directory, name + ".tmp")  # before the file exists
         self._file = open_record_file(self._tmp, self.layout.compression)
         self._samples = self._records = self._crc = 0
         if self._sink is None:
@@ -311,7 +313,6 @@ class ShardFiles:
         except OSError as e:
             self._raise_named(e)
         self._file = None
-        self._unrenamed, self._journaled = self._tmp, False
         start_writeback(self._tmp)
         name = SHARD_FILE.format(len(self.shards))
         self.shards.append(
@@ -336,13 +337,13 @@ class ShardFiles:
             # A disk full: the shard the journal could not list goes.
             self.shards.pop()
             del self._journal_entries[len(self.shards) :]
-            self._unrenamed = None
             with contextlib.suppress(OSError):
                 _io.remove(self._tmp)
+            self._tmp = ""
             raise
         self._journaled = True
         _io.rename(self._tmp, _io.join(self.directory, name))
-        self._unrenamed = None
+        self._tmp = ""
 
     def sync(self) -> None:
         """Makes every shard durable before the manifest names it.
@@ -388,11 +389,11 @@ class ShardFiles:
             except Exception:
                 pass
             self._file = None
-            _io.remove(self._tmp)
-        unrenamed, self._unrenamed = self._unrenamed, None
-        if unrenamed is not None:  # interrupted (Ctrl-C) inside `close_shard`
-            with contextlib.suppress(OSError):
+        tmp = self._tmp
+        if tmp:  # not renamed: the shard being written, or one a `close_shard` left
+            with contextlib.suppress(OSError):  # (gone already: nothing to do)
                 if self._journaled:  # complete and listed: it takes its name
-                    _io.rename(unrenamed, _io.join(self.directory, self.shards[-1].file))
+                    _io.rename(tmp, _io.join(self.directory, self.shards[-1].file))
                 else:
-                    _io.remove(unrenamed)
+                    _io.remove(tmp)
+            self._tmp = ""
