@@ -258,10 +258,6 @@ class Child:
     def signal(self, sig: int) -> None:
         signal_group(self.proc, sig)
 
-    def stop(self, grace_period: float) -> None:
-        """SIGTERM to its group, SIGKILL after ``grace_period`` seconds."""
-        stop_all([self], signal.SIGTERM, grace_period)
-
     def join_output(self, timeout: float | None) -> bool:
         """Waits for its output to be read to the end; False when it is not yet."""
         self._reader.join(timeout)

@@ -566,31 +566,49 @@ def test_launcher_stops_workers_when_the_chief_fails(tmp_path):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=str)
-def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig):
+@pytest.mark.parametrize(
+    "sig, ignoring",
+    [
+        (signal.SIGINT, False),
+        (signal.SIGTERM, False),
+        (signal.SIGKILL, False),
+        (signal.SIGTERM, True),
+        (signal.SIGKILL, True),
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGKILL", "SIGTERM-ignored", "SIGKILL-ignored"],
+)
+def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig, ignoring):
     """`keras-tfr tune` stops the chief and the workers (in process groups of their own)
-    on SIGTERM, as on Ctrl-C; killed, its guard process stops them."""
+    on SIGTERM, as on Ctrl-C; killed, its guard process stops them. Processes that
+    ignore SIGTERM are killed 5 s later, all at once (they were stopped one after the
+    other: 5 s each)."""
+    n = 3 if ignoring else 2  # processes: the chief and the workers
     script = _script(
         tmp_path,
         f"""
-        import os, time
+        import os, signal, time
+        if {ignoring}:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         who = os.environ["KERASTUNER_TUNER_ID"]
         open({str(tmp_path)!r} + f"/tmp-{{who}}", "w").write(str(os.getpid()))
         os.replace({str(tmp_path)!r} + f"/tmp-{{who}}", {str(tmp_path)!r} + f"/pid-{{who}}")
         time.sleep(300)
         """,
     )
-    cmd = [sys.executable, "-m", "keras_tfr.cli", "tune", "--workers", "1", script]
+    cmd = [sys.executable, "-m", "keras_tfr.cli", "tune", "--workers", str(n - 1), script]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("pid-*"))) < 2:
+    while len(list(tmp_path.glob("pid-*"))) < n:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the processes did not start"
         time.sleep(0.05)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
     proc.send_signal(sig)
+    start = time.monotonic()
     _, err = proc.communicate(timeout=60)
-    guarded = "keras-tfr tune: the launcher ended without stopping its 2 process(es)" in err
+    if ignoring and sig == signal.SIGTERM:
+        assert 4.5 < time.monotonic() - start < 12, "not SIGKILLed together, 5 s after"
+    guarded = f"keras-tfr tune: the launcher ended without stopping its {n} process(es)" in err
     if sig == signal.SIGINT:  # Ctrl-C
         assert proc.returncode == 130 and "keras-tfr: interrupted" in err, err
         assert not guarded, err  # the launcher stopped them itself

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -46,7 +47,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from keras_tfr._supervise import Child, Guard, LogFile
+from keras_tfr._supervise import Child, Guard, LogFile, stop_all
 from keras_tfr.parallel import _set_gpu_memory_env
 from keras_tfr.tuner.hypermodel import _check_batch_size
 
@@ -262,8 +263,8 @@ def tune(
         supervise_errors, stopped_after_search = _supervise(children, start, timeout, worker_grace)
         errors += supervise_errors
     finally:
-        for child in children.values():
-            child.stop(_KILL_GRACE_S)
+        # All at once: SIGTERM to every group, SIGKILL to those left 5 s later.
+        stop_all(list(children.values()), signal.SIGTERM, _KILL_GRACE_S)
         guard.close()
         for child in children.values():
             child.join_output(10)
@@ -387,8 +388,7 @@ def _supervise(
                     ", ".join(running),
                     worker_grace,
                 )
-                for k in running:
-                    workers[k].stop(_KILL_GRACE_S)
+                stop_all([workers[k] for k in running], signal.SIGTERM, _KILL_GRACE_S)
                 return [], running
         time.sleep(0.2)
 
