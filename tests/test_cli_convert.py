@@ -569,6 +569,33 @@ def test_convert_shuffle_seed_writes_the_seeded_order_and_resume_names_the_flag(
     assert main([*base, "--shuffle-seed", "-1", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert "`--shuffle-seed`" in err and "shuffle_seed" not in err, err
+    # An unfinished conversion begun with --shuffle-seed 4, resumed without it: refused,
+    # naming the flag to give (the message's Python arguments become the flags).
+    unfinished = str(tmp_path / "unfinished")
+
+    class Failing:  # an input whose reads fail after one chunk (the disk went away)
+        def __init__(self, a):
+            self.a, self.shape, self.dtype, self.reads = a, a.shape, a.dtype, 0
+
+        def __getitem__(self, index):
+            self.reads += 1
+            if self.reads > 1:
+                raise OSError("disk went away")
+            return self.a[index]
+
+    from keras_tfr import ArraysToRecords
+
+    layout = dict(samples_per_record=2, shard_size=300, chunk_size="1KB", verbose=0)
+    with pytest.raises(OSError, match="disk went away"):
+        ArraysToRecords.from_arrays(
+            Failing(arrays["meta"]), arrays["y"], unfinished, shuffle_seed=4, **layout
+        )
+    assert os.path.exists(os.path.join(unfinished, PROGRESS_NAME))
+    assert main(["convert", unfinished, *base[2:], "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "was begun with --shuffle-seed 4" in err and "Resume it with --shuffle-seed 4" in err
+    assert "shuffle_seed" not in err.replace(unfinished, "DIR"), err
+    assert "Received: no --shuffle-seed" in err, err
 
 
 def test_serve_refuses_a_port_in_use_and_bad_ports_or_duration(capsys):

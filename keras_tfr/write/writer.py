@@ -235,20 +235,18 @@ class RecordWriter:
         given = self.options.shuffle_seed
         if began == given:
             return
-        if began is None:
-            how = "in the order given (no `shuffle_seed`)"
-            fix = "with no `shuffle_seed`"
-        else:
-            how = f"with shuffle_seed={began}"
+        # Worded so that the command line's flags replace the arguments (`keras_tfr.cli`):
+        # "shuffle_seed=3" -> "--shuffle-seed 3", "shuffle_seed=None" -> "no --shuffle-seed".
+        fix = f"Resume it with shuffle_seed={began} and the same input"
+        if began is not None:
             fix = (
-                f"with `ArraysToRecords.from_arrays(x, y, directory, shuffle_seed={began}, "
-                "resume=True)` and the same arrays (an iterable of batches, or this writer's "
-                "`write`, writes in the order given)"
+                f"Resume it with shuffle_seed={began} and the same arrays (not an iterable "
+                "of batches, nor the writer's `write`: they write in the order given)"
             )
         raise ValueError(
-            f"The unfinished conversion in {self.directory} was begun {how}: its shards "
-            f"hold the samples in that order. Resume it {fix}, or start over with "
-            f"`overwrite=True`. Received: shuffle_seed={given}"
+            f"The unfinished conversion in {self.directory} was begun with "
+            f"shuffle_seed={began}: its shards hold the samples in that order. {fix}, or "
+            f"start over with `overwrite=True`. Received: shuffle_seed={given}"
         )
 
     def _adopt(self, layout: Layout, shards: list[ShardInfo]) -> None:
