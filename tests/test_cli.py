@@ -350,3 +350,44 @@ def test_the_table_is_the_parser_and_help_loads_no_framework():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "command, stopped_in",
+    [
+        (["info", "{d}"], "keras_tfr.manifest.Manifest.load"),
+        (["verify", "{d}"], "keras_tfr.verifier.verify"),
+        (["bench", "{d}", "--batch-size", "8"], "keras_tfr.source.TFRecordSequenceSource"),
+        (
+            ["convert-tfrecords", "{d}/*.tfrecord", "{d}/new"],
+            "keras_tfr.tfrecords.convert_tfrecords",
+        ),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_data_commands_stop_on_sigterm_as_on_ctrl_c(
+    tmp_path, monkeypatch, capsys, command, stopped_in
+):
+    """docs/cli.md: `convert-tfrecords`, `verify`, `bench` and `info` take SIGTERM as they
+    take Ctrl-C: status 143 and one line, no traceback. The SIGTERM comes while each
+    command works (this process sends it to itself)."""
+    import signal
+    import time
+
+    def terminated_here(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the command's handler raises in here
+        raise AssertionError("no SIGTERM came")
+
+    def not_ours(signum, frame):
+        raise AssertionError("the SIGTERM reached the test's handler, not the command's")
+
+    monkeypatch.setattr(stopped_in, terminated_here)
+    previous = signal.signal(signal.SIGTERM, not_ours)
+    try:
+        code = main([part.format(d=tmp_path) for part in command])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    assert code == 143 and err.strip().endswith("keras-tfr: terminated (SIGTERM)"), err
+    assert "Traceback" not in err

@@ -336,7 +336,8 @@ def test_a_source_says_it_cannot_be_pickled_and_copy_copy_still_reads(make_datas
 def test_one_source_as_data_and_validation_data_reads_every_other_epoch(make_dataset):
     """README: every iterator counts, whoever makes it: the same source given as
     `validation_data` uses up an epoch at each validation, so `fit` trains on epochs 0,
-    2, 4 (a source of its own for validation keeps them 0, 1, 2)."""
+    2, 4 (a source of its own for validation keeps them 0, 1, 2); so does an `evaluate`
+    between two `fit` calls."""
     x = np.arange(64, dtype=np.float32)[:, None]
     d = make_dataset(x, x[:, 0])
     seen: list[np.ndarray] = []
@@ -346,14 +347,19 @@ def test_one_source_as_data_and_validation_data_reads_every_other_epoch(make_dat
             seen.append(np.asarray(data[1]))
             return super().train_step(data)
 
-    for validation, epochs in (("same", [0, 2, 4]), ("own", [0, 1, 2])):
+    for validation, epochs in (("same", [0, 2, 4]), ("own", [0, 1, 2]), ("evaluate", [0, 2])):
         seen.clear()
         src = TFRecordSequenceSource(d, batch_size=16, seed=0)
         val = src if validation == "same" else TFRecordSequenceSource(d, batch_size=16, seed=0)
         model = Recording([keras.Input((1,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse", run_eagerly=True)
-        model.fit(src, validation_data=val, epochs=3, verbose=0)
-        read = np.concatenate(seen).reshape(3, 64)
+        if validation == "evaluate":  # an evaluate between two fits reads an epoch too
+            model.fit(src, epochs=1, verbose=0)
+            model.evaluate(src, verbose=0)
+            model.fit(src, epochs=1, verbose=0)
+        else:
+            model.fit(src, validation_data=val, epochs=3, verbose=0)
+        read = np.concatenate(seen).reshape(len(epochs), 64)
         for k, e in enumerate(epochs):
             assert np.array_equal(read[k], src.sample_order(e)), (validation, k, e)
 
@@ -386,6 +392,11 @@ def test_dict_inputs_come_in_key_order_and_class_weight_needs_number_labels(make
     model.compile("sgd", "mse")
     model.predict(src.map(lambda x, y: x), verbose=0)
     assert seen[-1] == ["a", "b"]  # a source: sorted
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    named = keras.Model({"b": b, "a": a}, keras.layers.Dense(1)(keras.layers.concatenate([b, a])))
+    np.testing.assert_array_equal(  # a functional model: by name either way
+        named.predict(src.map(lambda x, y: x), verbose=0), named.predict(x, verbose=0)
+    )
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, "sigmoid")])
     model.compile("sgd", "binary_crossentropy")
