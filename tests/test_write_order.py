@@ -4,6 +4,7 @@ mode's split and shuffle (whole records) mix class-sorted input as sample mode d
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def test_an_iterable_of_batches_cannot_be_written_shuffled(tmp_path):
     assert not os.path.exists(d)
 
 
-def test_a_conversion_begun_in_the_given_order_is_not_resumed_shuffled(tmp_path):
+def test_a_conversion_begun_in_the_given_order_is_not_resumed_shuffled(tmp_path, caplog):
     x, y = _sorted_classes(100)
     layout = dict(samples_per_record=10, shard_size=2000, chunk_size="4KB", verbose=0)
     d = str(tmp_path / "ds")
@@ -162,11 +163,18 @@ def test_a_conversion_begun_in_the_given_order_is_not_resumed_shuffled(tmp_path)
         ArraysToRecords.from_arrays(batches(), directory=d, **layout)
     before = {n: Path(d, n).read_bytes() for n in os.listdir(d)}
     assert any(n.startswith("shard-") for n in before), "completed shards stay"
-    with pytest.raises(
-        ValueError, match=r"begun with shuffle_seed=None: .* shuffle_seed=None .*: shuffle_seed=2"
+    caplog.clear()
+    with (
+        caplog.at_level(logging.INFO, logger="keras_tfr"),
+        pytest.raises(
+            ValueError,
+            match=r"begun with shuffle_seed=None: .* shuffle_seed=None .*: shuffle_seed=2",
+        ),
     ):
         ArraysToRecords.from_arrays(x, y, d, shuffle_seed=2, resume=True, **layout)
     assert {n: Path(d, n).read_bytes() for n in os.listdir(d)} == before
+    # Refused before the shards are checked: no "resuming ... after N complete shards".
+    assert not [r for r in caplog.records if "resuming" in r.getMessage()]
     ArraysToRecords.from_arrays(x, y, d, resume=True, **layout)  # in the order given: fine
     assert _read(d)[1].tobytes() == y.tobytes()
 

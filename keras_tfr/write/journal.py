@@ -83,7 +83,7 @@ def inspect_directory(directory: str, options: WriteOptions) -> DirectoryState:
             _io.remove(_io.join(directory, name))  # left by a killed writer
     state = DirectoryState()
     if has_progress and options.resume:
-        state = load_journal(directory, progress_path)
+        state = load_journal(directory, progress_path, options.shuffle_seed)
     elif options.resume:
         log.info("keras-tfr: nothing to resume in %s; starting a new conversion", directory)
     known = {s.file for s in state.shards}
@@ -124,9 +124,10 @@ def remove_old(directory: str, old_files: list[str]) -> None:
         _io.remove(_io.join(directory, name))
 
 
-def load_journal(directory: str, path: str) -> DirectoryState:
+def load_journal(directory: str, path: str, shuffle_seed: int | None) -> DirectoryState:
     """The layout and the shards (those that pass their check) of an unfinished conversion;
-    the shards after the first that fails are removed."""
+    the shards after the first that fails are removed. A ValueError, before any shard is
+    read, when it was begun in another order than ``shuffle_seed`` asks for."""
     try:
         journal = json.loads(_io.read_bytes(path).decode("utf-8"))
         if journal.get("format") != FORMAT_NAME or journal.get("format_version") != (
@@ -148,6 +149,7 @@ def load_journal(directory: str, path: str) -> DirectoryState:
             f"The journal {path} of the unfinished conversion is damaged ({e}); "
             "start over with `overwrite=True`."
         ) from e
+    _check_same_order(directory, probe.shuffle_seed, shuffle_seed)
     probe.directory = directory
     kept = _verified_prefix(probe)
     for shard in probe.shards[len(kept) :]:
@@ -169,6 +171,28 @@ def load_journal(directory: str, path: str) -> DirectoryState:
         sum(s.samples for s in kept),
     )
     return DirectoryState(layout=layout, shards=kept)
+
+
+def _check_same_order(directory: str, began: int | None, given: int | None) -> None:
+    """Refuses to resume a conversion written in another order than the one asked for:
+    its shards hold the samples in the order of ``shuffle_seed=began``, so the rest
+    written in another order would repeat some samples and leave out others, under a
+    manifest naming the journal's seed."""
+    if began == given:
+        return
+    # Worded so that the command line's flags replace the arguments (`keras_tfr.cli`):
+    # "shuffle_seed=3" -> "--shuffle-seed 3", "shuffle_seed=None" -> "no --shuffle-seed".
+    fix = f"Resume it with shuffle_seed={began} and the same input"
+    if began is not None:
+        fix = (
+            f"Resume it with shuffle_seed={began} and the same arrays (not an iterable "
+            "of batches, nor the writer's `write`: they write in the order given)"
+        )
+    raise ValueError(
+        f"The unfinished conversion in {directory} was begun with shuffle_seed={began}: "
+        f"its shards hold the samples in that order. {fix}, or start over with "
+        f"`overwrite=True`. Received: shuffle_seed={given}"
+    )
 
 
 def _verified_prefix(probe: Manifest) -> list[ShardInfo]:

@@ -211,8 +211,6 @@ class RecordWriter:
             self._lock.acquire()
         try:
             state = inspect_directory(self.directory, self.options)
-            if state.layout is not None:
-                self._check_same_order(state.layout.shuffle_seed)
         except BaseException:
             self._lock.release()
             raise
@@ -226,28 +224,6 @@ class RecordWriter:
             self._progbar = self._make_progress(self.options.expected_samples)
         if self._progbar is not None and self.resumed_samples:
             self._progbar.update(self.resumed_samples)
-
-    def _check_same_order(self, began: int | None) -> None:
-        """Refuses to resume a conversion written in another order than the one asked
-        for: its shards hold the samples in the order of ``shuffle_seed=began``, so the
-        rest written in another order would repeat some samples and leave out others,
-        under a manifest naming the journal's seed."""
-        given = self.options.shuffle_seed
-        if began == given:
-            return
-        # Worded so that the command line's flags replace the arguments (`keras_tfr.cli`):
-        # "shuffle_seed=3" -> "--shuffle-seed 3", "shuffle_seed=None" -> "no --shuffle-seed".
-        fix = f"Resume it with shuffle_seed={began} and the same input"
-        if began is not None:
-            fix = (
-                f"Resume it with shuffle_seed={began} and the same arrays (not an iterable "
-                "of batches, nor the writer's `write`: they write in the order given)"
-            )
-        raise ValueError(
-            f"The unfinished conversion in {self.directory} was begun with "
-            f"shuffle_seed={began}: its shards hold the samples in that order. {fix}, or "
-            f"start over with `overwrite=True`. Received: shuffle_seed={given}"
-        )
 
     def _adopt(self, layout: Layout, shards: list[ShardInfo]) -> None:
         self._layout = layout
