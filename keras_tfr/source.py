@@ -709,7 +709,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
             drop_remainder=opts.drop_remainder,
             num_parallel_reads=opts.num_parallel_reads,
             on_corrupt=opts.on_corrupt,
-            report_skip=self._report_skip,
+            # Weakly: the pipeline's functions live in TensorFlow's graph for the process's
+            # life, and a bound method would keep this source alive with them.
+            report_skip=_weakly(self._report_skip),
             service=(opts.service, opts.service_mode, opts.service_job_name)
             if opts.service
             else None,
@@ -957,6 +959,19 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return values if one_tuple else values[0]
 
         return fn
+
+
+def _weakly(method: Callable[..., bool]) -> Callable[..., bool]:
+    """``method`` (bound to a source) through a weak reference: calling it once the
+    source is gone does nothing. A source's pipeline keeps what it calls for as long as
+    TensorFlow keeps the pipeline's functions, and must not keep the source itself."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> bool:
+        bound = ref()
+        return True if bound is None else bound(*args, **kwargs)
+
+    return call
 
 
 def _rows(rows: int) -> Callable[[Any], Any]:
