@@ -848,7 +848,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
         a whole epoch's count would fail as "expected to contain N elements". Made once,
         when first needed: its iterators honour the step `set_epoch` gave (`_EpochClock.take`),
         where this data set's own read whole epochs."""
-        if self._cfg.service is not None or not 0 < step < self._steps:
+        if self._cfg.service is not None or not 0 < step <= self._steps:
             return self  # the service reads whole epochs: `set_epoch` says it has no effect
         with only_op_seeds():
             if self._resumable is None:

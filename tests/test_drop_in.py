@@ -409,3 +409,27 @@ def test_dict_inputs_come_in_key_order_and_class_weight_needs_number_labels(make
     )
     model.fit(ints, class_weight=weights, epochs=1, verbose=0)
     model.fit(x["a"], y, class_weight=weights, batch_size=8, epochs=1, verbose=0)  # arrays
+
+
+@pytest.mark.parametrize(
+    "access, lattice", [("samples", True), ("samples", False), ("blocks", True)]
+)
+def test_set_epoch_at_its_last_step_reads_nothing_then_the_next_epoch(
+    make_dataset, access, lattice
+):
+    """README: `set_epoch(e, step=k)` makes the next iterator read epoch `e` from batch
+    `k`; `k = len(source)` (accepted) is an empty epoch. Block mode and tf.data's
+    iterator read the whole epoch again."""
+    x = np.arange(100, dtype=np.float32)[:, None]
+    d = make_dataset(x, np.arange(100), name=f"{access}-{lattice}", lattice=lattice)
+    src, ref = (TFRecordSequenceSource(d, batch_size=10, seed=0, access=access) for _ in "ab")
+
+    def labels(source, how):
+        batches = source.as_numpy_iterator() if how == "numpy" else iter(source)
+        return [np.asarray(b[1]) for b in batches]
+
+    for how in ("numpy", "tensors"):
+        src.set_epoch(3, step=len(src))
+        assert labels(src, how) == [], how
+        ref.set_epoch(4)
+        assert np.array_equal(np.concatenate(labels(src, how)), np.concatenate(labels(ref, how)))
