@@ -1141,7 +1141,13 @@ class _Iterator(OwnedIterator):
         self._source = source
         self._direct = source._tensor_direct()
         self._python: Any = None  # the `TensorBatches`, once read in Python
-        self._making = threading.Lock()
+        # Reentrant: `_create_iterator` reads `_iterator_resource` while it makes it.
+        self._making = threading.RLock()
+        self._ready = False  # the resource is made and initialized
+        # Python's `next` one call at a time: TensorFlow's `assert_cardinality` counts
+        # unguarded, so threads sharing this iterator could end the epoch with "expected
+        # to contain 63 elements but contained only 62" while the 63rd was on its way.
+        self._next_lock = threading.Lock()
         # `OwnedIterator.__init__` but for the resource (`_iterator_resource`), made when
         # first needed, with the flat output types and shapes that reading it uses.
         super(OwnedIterator, self).__init__()
@@ -1151,9 +1157,13 @@ class _Iterator(OwnedIterator):
 
     @property
     def _iterator_resource(self) -> Any:
-        if self._resource is None:
-            with self._making:  # one resource, though two threads read first at once
-                if self._resource is None:
+        # One resource, though several threads read first at once; the others wait until
+        # it is initialized (given out as soon as it was made, a thread that shares this
+        # iterator failed with "GetNext() failed because the iterator has not been
+        # initialized").
+        if not self._ready:
+            with self._making:
+                if not self._ready and self._resource is None:
                     if self._python is not None:
                         directory = self._source._cfg.directory
                         raise RuntimeError(_READ_IN_PYTHON.format(directory=directory))
@@ -1162,6 +1172,7 @@ class _Iterator(OwnedIterator):
                     dataset = self._source._resumed(self._clock.next_step)
                     with tf.init_scope():  # an eager resource, even when a tf.function asks
                         self._create_iterator(dataset)
+                    self._ready = True
         return self._resource
 
     @_iterator_resource.setter
@@ -1210,7 +1221,8 @@ class _Iterator(OwnedIterator):
             # Already reading in Python: the short way (its end is a StopIteration already).
             return next(self._python)
         try:
-            return super().__next__()
+            with self._next_lock:
+                return super().__next__()
         except tf.errors.FailedPreconditionError as e:
             if self._clock.last_step and "expected to contain" in str(e):
                 raise StopIteration from None

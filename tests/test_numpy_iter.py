@@ -272,3 +272,35 @@ def test_tiny_batches_come_in_units_of_a_bounded_number_of_batches(tmp_path, mon
     first = next(src.as_numpy_iterator() if how == "numpy" else iter(src))
     assert np.asarray(first[0]).tolist() == x[src.sample_order(0)[:1]].tolist()
     assert made and max(made) <= mapped._UNIT_BATCHES < n
+
+
+@pytest.mark.parametrize(
+    "access, how",
+    [("samples", "numpy"), ("samples", "tensors"), ("blocks", "tensors"), ("blocks", "numpy")],
+)
+def test_one_iterator_read_by_several_threads_hands_out_each_batch_once(sorted_data, access, how):
+    """As tf.data's iterator does: the threads that shared a sample-mode iterator each
+    took an epoch and replaced the others' (batches lost or repeated, or
+    `CancelledError`); block mode's raised "the iterator has not been initialized" in the
+    threads that asked first."""
+    d, _, y, _ = sorted_data
+    for _ in range(2):  # a race: twice
+        src = TFRecordSequenceSource(d, batch_size=16, seed=0, access=access)
+        it = src.as_numpy_iterator() if how == "numpy" else iter(src)
+        got, errors = [], []
+
+        def read(it=it, got=got, errors=errors):
+            try:
+                for batch in it:
+                    got.append(np.asarray(batch[1]))
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(got) == len(src)
+        assert sorted(np.concatenate(got).tolist()) == sorted(y.tolist())

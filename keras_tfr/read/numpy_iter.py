@@ -63,11 +63,19 @@ class NumpyBatches:
         self._closer: Any = None
         self._batches: Iterator[Any] = iter(())
         self._ended = False
+        # One batch at a time, as tf.data's iterator hands them out: threads that share this
+        # iterator each took an epoch of their own and replaced each other's (its readers
+        # then stopped: batches lost, repeated, or `CancelledError`).
+        self._lock = threading.Lock()
 
     def __iter__(self) -> NumpyBatches:
         return self
 
     def __next__(self) -> Any:
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> Any:
         if self._ended:
             raise StopIteration
         if self._epoch is None:
