@@ -478,7 +478,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def replace(self, **changes: Any) -> TFRecordSequenceSource:
         """A copy with some arguments changed (the manifest in memory is reused unless
         ``directory`` changes). A source made with ``seed=None`` passes on the seed it
-        drew: the copy reads the same orders, and can be split.
+        drew: the copy reads the same orders in sample mode (in block mode with
+        ``deterministic=True``; without it, block mode's interleave may differ), and the
+        same split.
 
         Example:
             >>> bigger = source.replace(batch_size=512, shuffle_memory="256MB")
