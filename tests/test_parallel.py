@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from _procs import running, still_running
+from _procs import running, start_and_wait, still_running
 
 from keras_tfr import cli
 from keras_tfr.parallel import launch
@@ -235,14 +235,8 @@ def _start_launcher(tmp_path, n, behaviour="normal", grace="10"):
     script.write_text(_CHILD)
     cmd = [PY, "-m", "keras_tfr.cli", "parallel", "-n", str(n), "--grace-period", grace, "--"]
     cmd += [PY, str(script), str(tmp_path), "{i}", behaviour]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pid-*"))) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "children did not start"
-        time.sleep(0.05)
-    pids = [int((tmp_path / f"pid-{i}").read_text()) for i in range(n)]
-    return proc, pids
+    proc, pids = start_and_wait(cmd, tmp_path, n)
+    return proc, [pids[str(i)] for i in range(n)]
 
 
 def test_ctrl_c_stops_every_child(tmp_path):

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from _procs import still_running
+from _procs import start_and_wait, still_running
 
 N_TRAIN = 200
 N_VAL = 40
@@ -596,13 +596,8 @@ def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig,
         """,
     )
     cmd = [sys.executable, "-m", "keras_tfr.cli", "tune", "--workers", str(n - 1), script]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("pid-*"))) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the processes did not start"
-        time.sleep(0.05)
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    proc, started = start_and_wait(cmd, tmp_path, n, 120, stdout=subprocess.DEVNULL)
+    pids = list(started.values())
     proc.send_signal(sig)
     start = time.monotonic()
     _, err = proc.communicate(timeout=60)
