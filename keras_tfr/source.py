@@ -783,10 +783,13 @@ class TFRecordSequenceSource(tf.data.Dataset):
             def finish(features: list[Any]) -> Any:
                 out = {}
                 for s, feature in zip(specs, features):
-                    out[s.key] = feature if rows is None else _rows(rows)(feature)
+                    static = rows is None or feature.shape[0] == rows
+                    out[s.key] = feature if static else _rows(rows)(feature)
                 return structure(out)
 
-            return functools.partial(mapped.lattice_dataset, plan, region, finish=finish)
+            return functools.partial(
+                mapped.lattice_dataset, plan, region, finish=finish, full_batches=rows is not None
+            )
         # Decoding (a reshape and a zero-copy bitcast) and Keras' structure are applied
         # once per block of batches, so each batch then costs only its slice.
 

@@ -833,8 +833,9 @@ class MappedPlan:
     def lattice_tensors(self) -> list[Any]:
         """Per feature, the whole region as a ``[rows, row_bytes / itemsize]`` `tf.Tensor`
         in the feature's dtype (``[rows, row_bytes]`` uint8 for ``bool`` and where a row is
-        not whole items) that aliases the mapped shards (no copy; it keeps the mapping
-        alive). Little-endian, as the records are: on a big-endian host, uint8.
+        not whole items; ``[rows, *shape]`` where a row is one sample, so that a gather
+        gives a batch with no reshape) that aliases the mapped shards (no copy; it keeps
+        the mapping alive). Little-endian, as the records are: on a big-endian host, uint8.
 
         Made through DLPack, the one way to an eager tensor over memory TensorFlow does
         not own (`tf.constant` copies; so does `tf.numpy_function` run eagerly). DLPack
@@ -854,6 +855,8 @@ class MappedPlan:
             view = pinned[: len(pinned) // g * g].reshape(-1, g)
             if _typed(spec, g):
                 view = view.view(spec.np_dtype)
+                if g == spec.sample_bytes:  # a row is a sample: gathered in its shape
+                    view = view.reshape(-1, *spec.shape)
             out.append(tf.experimental.dlpack.from_dlpack(view.__dlpack__()))
         return out
 
@@ -1465,6 +1468,7 @@ def lattice_dataset(
     region: list[Any],
     next_epoch: Callable[[], tuple[int, int]],
     finish: Callable[[list[Any]], Any],
+    full_batches: bool = False,
 ) -> Any:
     """A `tf.data.Dataset` of batches, for a data set written on a lattice: TensorFlow
     gathers each batch with `tf.gather` from tensors that alias the mapped shards
@@ -1475,6 +1479,8 @@ def lattice_dataset(
 
     ``finish`` turns one batch, a list of ``[rows, *shape]`` tensors in each feature's
     dtype (one per spec, in ``plan.specs`` order), into the element the caller wants.
+    With ``full_batches`` (every batch of every epoch holds ``plan.batch_size`` samples),
+    ``rows`` is static: set once per unit of batches, not by an op on each batch.
     Each iterator asks for its epoch when its first element is pulled, as `dataset`
     does. Every function sits in the outer pipeline (none inside the `flat_map`), so
     TensorFlow prepares them once per iterator, not again when each epoch starts.
@@ -1501,16 +1507,26 @@ def lattice_dataset(
         numbers = tf.data.Dataset.range(info[2])
         return tf.data.Dataset.zip((numbers, tf.data.Dataset.from_tensors(info).repeat()))
 
+    # A batch's rows per feature: a sample's rows (one where a row is a sample) times the
+    # batch size, known where every batch is full.
+    per_batch = [
+        plan.batch_size * (s.sample_bytes // g) if full_batches else None
+        for s, g in zip(plan.specs, rows)
+    ]
+
     def unit(i: Any, info: Any) -> tuple:
         out = tf.numpy_function(row_block, [info, i], [tf.int64] * n_specs + [tf.string], True)
-        return tuple(tf.ensure_shape(o, [None, None]) for o in _raise_damage(out))
+        return tuple(tf.ensure_shape(o, [None, n]) for o, n in zip(_raise_damage(out), per_batch))
 
     def gather(batch_rows: Any, views: Any) -> Any:
         out = []
         for view, r, spec, g in zip(views, batch_rows, plan.specs, rows):
             got = tf.gather(view, r)
-            if _typed(spec, g):  # already the feature's dtype: one reshape
-                out.append(tf.reshape(got, [-1, *spec.shape]))
+            if _typed(spec, g) and g == spec.sample_bytes:  # gathered in its shape
+                out.append(got)
+            elif _typed(spec, g):  # already the feature's dtype: one reshape
+                batch = -1 if r.shape[0] is None else r.shape[0] // (spec.sample_bytes // g)
+                out.append(tf.reshape(got, [batch, *spec.shape]))
             else:
                 out.append(tf_bytes_to_feature(tf.reshape(got, [-1, spec.sample_bytes]), spec))
         return finish(out)
