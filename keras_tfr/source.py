@@ -1273,7 +1273,9 @@ def corrupt_record_error(error: BaseException) -> CorruptRecordError | None:
 
 def _choose_access(opts: SourceOptions, m: Manifest, specs: list[FeatureSpec]) -> tuple[str, str]:
     """``(mode, why)``: the access mode this source reads in, and why when not asked for."""
-    reader = os.environ.get("KERAS_TFR_READER", "auto").strip().lower()
+    # Set but empty (``KERAS_TFR_READER= python train.py``) reads as unset, as for most
+    # environment variables.
+    reader = os.environ.get("KERAS_TFR_READER", "").strip().lower() or "auto"
     if reader not in _READERS:
         raise ValueError(
             f"Expected KERAS_TFR_READER to be one of {', '.join(_READERS)}. Received: {reader!r}"

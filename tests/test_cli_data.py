@@ -216,6 +216,22 @@ def test_convert_errors_of_an_unreadable_file_name_its_flag_and_spec(
     assert not os.path.exists(tmp_path / "ds")
 
 
+def test_running_out_of_memory_reading_a_spec_is_not_called_bad_input(tmp_path, monkeypatch):
+    """An .npz member too large to load raises `MemoryError`, not "cannot read --x spec"
+    with exit 2 (which says the file is bad)."""
+    monkeypatch.chdir(tmp_path)
+    np.savez("big.npz", a=np.zeros((50, 3), np.float32))
+    np.save("y.npy", np.arange(50))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 80.0 GiB")
+
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", no_memory)
+    with pytest.raises(MemoryError, match="80.0 GiB"):
+        main(["convert", "ds", "--x", "big.npz:a", "--y", "y.npy", "--quiet"])
+    assert not os.path.exists(tmp_path / "ds")
+
+
 def test_convert_names_the_flag_of_a_missing_file(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     np.save("x.npy", np.zeros((50, 3), np.float32))

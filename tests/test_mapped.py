@@ -72,6 +72,9 @@ def test_asking_for_samples_where_they_cannot_be_read_names_why(tmp_path, monkey
     monkeypatch.setenv("KERAS_TFR_READER", "fast")
     with pytest.raises(ValueError, match="KERAS_TFR_READER"):
         TFRecordSequenceSource(d, batch_size=4)
+    for unset in ("", " "):  # set but empty: as unset (block mode, as chosen for GZIP)
+        monkeypatch.setenv("KERAS_TFR_READER", unset)
+        assert TFRecordSequenceSource(d, batch_size=4).access == "blocks"
     with pytest.raises(ValueError, match="`access`"):
         TFRecordSequenceSource(d, batch_size=4, access="random")
 

@@ -183,9 +183,12 @@ def _raw_layout(spec: str, path: str, rest: str) -> tuple[Any, tuple[int, ...]]:
 def _reading(spec: str) -> Iterator[None]:
     """Names ``spec`` in the errors of the libraries that open and read its file
     (NumPy's "EOF: reading array header", h5py's "file signature not found", a
-    `zipfile.BadZipFile`, ...), as a `ValueError` (an `OSError` stays one)."""
+    `zipfile.BadZipFile`, ...), as a `ValueError` (an `OSError` stays one). Running out
+    of memory is not bad input: a `MemoryError` goes on as it is."""
     try:
         yield
+    except MemoryError:
+        raise
     except Exception as e:
         message = f"{spec!r}: {str(e) or type(e).__name__}"
         raise (OSError if isinstance(e, OSError) else ValueError)(message) from e
