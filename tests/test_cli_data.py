@@ -227,7 +227,7 @@ def test_running_out_of_memory_reading_a_spec_is_not_called_bad_input(tmp_path, 
         raise MemoryError("Unable to allocate 80.0 GiB")
 
     monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", no_memory)
-    with pytest.raises(MemoryError, match="80.0 GiB"):
+    with pytest.raises(MemoryError, match=r"80\.0 GiB"):
         main(["convert", "ds", "--x", "big.npz:a", "--y", "y.npy", "--quiet"])
     assert not os.path.exists(tmp_path / "ds")
 
