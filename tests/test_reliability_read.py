@@ -561,6 +561,25 @@ def test_corrupt_record_error_from_fit_evaluate_predict_and_iteration(dataset, r
     )
 
 
+def test_a_data_set_made_from_a_source_raises_tensorflows_type_in_a_loop(dataset, reader):
+    """docs/reliability.md, "Known limits": a loop over ``source.map(f)`` (tf.data's own
+    iterator) gets TensorFlow's `InvalidArgumentError` with keras-tfr's text in its
+    message; `fit` on it still raises `CorruptRecordError`."""
+    d, _, _, m = dataset
+    path = os.path.join(d, m.shards[1].file)
+    src = TFRecordSequenceSource(d, batch_size=16, shuffle=False)
+    _flip(path, 3 * _frame(m) + 30)
+    made = src.map(lambda a, b: (a, b))
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        for _ in made:
+            pass
+    assert not isinstance(e.value, CorruptRecordError)
+    assert f"keras-tfr: corrupt record in {path} at byte offset {3 * _frame(m)}" in str(e.value)
+    with pytest.raises(CorruptRecordError) as fitted:
+        _model().fit(made, epochs=1, verbose=0, shuffle=False)
+    assert fitted.value.file == path
+
+
 @pytest.mark.parametrize("call", ["iterate", "fit"])
 def test_corrupt_record_error_names_a_path_with_quotes_and_accents(tmp_path, reader, call):
     """The file in the error is the path itself, though TensorFlow C-escapes what its
