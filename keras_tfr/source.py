@@ -783,8 +783,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
             def finish(features: list[Any]) -> Any:
                 out = {}
                 for s, feature in zip(specs, features):
-                    static = rows is None or feature.shape[0] == rows
-                    out[s.key] = feature if static else _rows(rows)(feature)
+                    if rows is not None and feature.shape[0] != rows:
+                        feature = _rows(rows)(feature)
+                    out[s.key] = feature
                 return structure(out)
 
             return functools.partial(

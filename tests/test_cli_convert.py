@@ -286,8 +286,10 @@ def test_convert_resume_continues_an_interrupted_conversion(tmp_path, monkeypatc
 
 
 _SLOW_CONVERT = """
-import sys, time
+import faulthandler, signal, sys, time
 from keras_tfr.cli import data, main
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
 
 real = data.load_array
 
@@ -332,7 +334,13 @@ def test_convert_stops_on_sigterm_as_on_ctrl_c_and_resumes(tmp_path, capsys):
             assert time.monotonic() < deadline, "no shard was completed"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"convert did not end after SIGTERM; its threads:\n{proc.communicate()[1]}")
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-2000:]

@@ -1077,3 +1077,65 @@ def test_the_journal_encodes_each_shard_once(tmp_path, monkeypatch):
     assert [len(j["shards"]) for j in seen] == list(range(1, 31))
     assert seen[-1]["shards"] == [s.to_json() for s in m.shards]
     assert seen[-1]["records_per_shard"] == m.shards[0].records
+
+
+_INTERRUPTED_WAITS = """
+import json, queue, random, signal, sys, threading, time
+
+class HeldQueue(queue.Queue):
+    # `get` keeps the lock a moment after waking a waiting `put`: the window in which an
+    # interrupt of that `put` used to break the lock, made wide enough to hit every time.
+    def get(self, block=True, timeout=None):
+        with self.not_empty:
+            while not self._qsize():
+                self.not_empty.wait()
+            item = self._get()
+            self.not_full.notify()
+            time.sleep(0.001)
+            return item
+
+queue.Queue = HeldQueue
+from keras_tfr.write.sink import _RecordSink
+
+class Writer:
+    def write_many(self, records):
+        pass
+
+thread_errors = []
+threading.excepthook = lambda args: thread_errors.append(repr(args.exc_value))
+main = threading.get_ident()
+random.seed(0)
+interrupted = hung = raised = 0
+for _ in range(40):
+    sink = _RecordSink(max_records=2)
+    sink.start_shard(Writer())
+    threading.Timer(random.random() * 0.01, signal.pthread_kill, (main, signal.SIGINT)).start()
+    try:
+        for i in range(10**6):
+            sink.put((b"x", 0))
+    except KeyboardInterrupt:
+        interrupted += 1
+    except RuntimeError:
+        raised += 1
+    done = threading.Event()
+    def stop():
+        try:
+            sink.stop()
+        finally:
+            done.set()
+    threading.Thread(target=stop, daemon=True).start()
+    hung += not done.wait(5)
+print(json.dumps({"interrupted": interrupted, "hung": hung, "raised": raised,
+                  "thread_errors": thread_errors[:3]}))
+"""
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_while_the_writer_waits_on_its_queue_leaves_the_queue_whole(run_script):
+    """An interrupt (Ctrl-C, or SIGTERM in the command line) raised inside the writer's
+    wait on its full queue broke the queue's lock: the writer's thread died with "release
+    unlocked lock" or waited forever for the item that ends it, and `keras-tfr convert`
+    hung on SIGTERM (about one run in 100). The waits now hold the signals back until
+    they return (`keras_tfr._signals.deferred`)."""
+    got = json.loads(run_script(_INTERRUPTED_WAITS, timeout=120).strip().splitlines()[-1])
+    assert got == {"interrupted": 40, "hung": 0, "raised": 0, "thread_errors": []}

@@ -15,7 +15,7 @@ import struct
 import sys
 from typing import Any, NoReturn
 
-from keras_tfr import _crc, _io
+from keras_tfr import _crc, _io, _signals
 from keras_tfr.format import framing
 from keras_tfr.manifest import ShardInfo
 from keras_tfr.write.inputs import libc, release_pages
@@ -97,8 +97,12 @@ class _RecordSink:
             error, self._error = self._error, None
             raise error
 
+    # Every wait on the queue holds Ctrl-C and SIGTERM back until it returns
+    # (`keras_tfr._signals`): an interrupt inside it broke the queue's lock.
+
     def start_shard(self, writer: Any) -> None:
-        self._queue.join()
+        with _signals.deferred():
+            self._queue.join()
         self._raise_pending()
         self._writer = writer
 
@@ -107,15 +111,18 @@ class _RecordSink:
         of parts), or ``("release", arrays, start, stop)`` to drop memmap pages once the
         records before it are written."""
         self._raise_pending()
-        self._queue.put(item)
+        with _signals.deferred():
+            self._queue.put(item)
 
     def finish_shard(self) -> None:
         """Waits until every queued record is written."""
-        self._queue.join()
+        with _signals.deferred():
+            self._queue.join()
         self._raise_pending()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with _signals.deferred():
+            self._queue.put(None)
         self._thread.join()
         self._error = None
 
