@@ -101,6 +101,57 @@ def _run_json(script, backend, *args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# Runs several of this file's scripts one after the other in one process (each with its
+# own arguments, in a namespace of its own), so that each backend starts once: a start
+# (TensorFlow, Keras and the backend imported) takes 5-10 s on a 2-core machine.
+COMBINED = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+
+    results = {}
+    for name, code, argv in json.loads(sys.argv[1]):
+        sys.argv = ["-c", *argv]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"<{name} script>", "exec"), {"__name__": "__main__"})
+        results[name] = json.loads(out.getvalue().strip().splitlines()[-1])
+    print(json.dumps(results))
+    """
+)
+
+
+def _run_together(backend, scripts):
+    """``{name: the JSON object its script printed}`` for ``scripts``, a list of
+    ``(name, script, args)`` run in this order in one process under ``backend``."""
+    return _run_json(COMBINED, backend, json.dumps(scripts))
+
+
+@pytest.fixture(scope="module")
+def per_backend(learnable, tmp_path_factory):
+    """``get(backend)``: the results of this file's per-backend scripts, all run in one
+    process per backend (made once, when a test first asks for that backend)."""
+    got: dict = {}
+
+    def get(backend):
+        pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
+        if backend not in got:
+            tuner_dir = str(tmp_path_factory.mktemp(f"tuner-{backend}"))
+            scripts = [
+                ("fit", SCRIPT, list(learnable)),
+                ("wrapped", WRAPPED_SCRIPT, list(learnable)),
+            ]
+            if backend != "tensorflow":  # TensorFlow's: tests/test_tuner.py, tf.data
+                scripts += [
+                    ("tuner", TUNER_SCRIPT, [learnable[0], tuner_dir]),
+                    # Last: it counts the batches of `NumpyBatches` by replacing its `__next__`.
+                    ("adapter", ADAPTER_SCRIPT, list(learnable)),
+                ]
+            got[backend] = _run_together(backend, scripts)
+        return got[backend]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def learnable(tmp_path_factory):
     base = tmp_path_factory.mktemp("backends")
@@ -116,9 +167,8 @@ def learnable(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
-def test_fit_evaluate_predict_under_each_backend(learnable, backend):
-    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    res = _run_json(SCRIPT, backend, *learnable)
+def test_fit_evaluate_predict_under_each_backend(per_backend, backend):
+    res = per_backend(backend)["fit"]
     assert res["backend"] == backend
     assert res["steps"] == [25, 7]  # 800 and 200 samples by 32
     assert res["loss"] < 0.6 * res["loss0"]
@@ -226,25 +276,23 @@ WRAPPED_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
-def test_fit_on_a_data_set_made_from_a_source_reads_its_epochs_in_order(learnable, backend):
+def test_fit_on_a_data_set_made_from_a_source_reads_its_epochs_in_order(per_backend, backend):
     # JAX and torch build an unbuilt model from one batch of a fresh iterator: for
     # `source.map(f)`, `.repeat()` or a zip of sources, that batch used up the source's
     # epoch 0, so fit's epoch e read sample_order(e + 1).
-    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    res = _run_json(WRAPPED_SCRIPT, backend, *learnable)
+    res = per_backend(backend)["wrapped"]
     assert res == {k: [[0, 1]] for k in ["map", "repeat", "zip"]}, res
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(learnable, backend):
+def test_jax_and_torch_read_a_sample_mode_source_without_tf_data(per_backend, backend):
     """Keras' JAX/torch adapters take a sample-mode source's batches from
     `as_numpy_iterator` (the epoch's sample order, bit for bit, a new epoch per call;
     under JAX, each batch aligned so that `jax.device_put` does not copy it); a
     block-mode source still goes through Keras' own tf.data iteration."""
-    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    res = _run_json(ADAPTER_SCRIPT, backend, *learnable)
+    res = per_backend(backend)["adapter"]
     assert res["same"] == [True, True]
     assert res["pulled"] >= 2 * 32  # 32 batches of 32 per epoch, through NumpyBatches
     assert res["block_pulled"] == 0 and res["n_block"] == 1000
@@ -350,11 +398,10 @@ TUNER_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["jax", "torch"])
-def test_keras_tuner_searches_a_source_under_jax_and_torch(learnable, backend, tmp_path):
+def test_keras_tuner_searches_a_source_under_jax_and_torch(per_backend, backend):
     """README: a source goes into keras-tuner's `search` under each backend (TensorFlow's
     is tests/test_tuner.py), with the batch size tuned."""
-    pytest.importorskip(backend, reason=f"the {backend} backend is not installed")
-    res = _run_json(TUNER_SCRIPT, backend, learnable[0], str(tmp_path / "tuner"))
+    res = per_backend(backend)["tuner"]
     assert res["backend"] == backend
     assert res["status"] and set(res["status"]) == {"COMPLETED"}, res
     assert set(res["batch_sizes"]) <= {16, 64}
@@ -393,35 +440,40 @@ KERAS_JAX_ERROR_SCRIPT = textwrap.dedent(
     print(json.dumps({"raised": raised, "after": after}))
     """
 )
+_JAX_ERRORS: dict = {}  # the results of every call and mode, from one JAX process
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
-def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(tmp_path, call):
+def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(tmp_path_factory, call):
     """docs/reliability.md, known limits: under JAX, Keras (checked on 3.15) leaves a
     trained model without its weights when `evaluate` or `predict` raise (it restores them only in
     `fit`); `on_corrupt="skip"` keeps both working. When this test fails, Keras has fixed
     it: update the docs."""
     pytest.importorskip("jax", reason="the jax backend is not installed")
-    rng = np.random.default_rng(0)
-    d = str(tmp_path / "ds")
-    m = ArraysToRecords.from_arrays(
-        rng.standard_normal((400, 8)).astype(np.float32),
-        np.arange(400) % 2,
-        d,
-        samples_per_record=20,
-        min_shards=2,
-        verbose=0,
-    )
-    path = m.shard_path(m.shards[1])
-    raw = bytearray(Path(path).read_bytes())
-    raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
-    Path(path).write_bytes(raw)
-    results = {
-        on_corrupt: _run_json(KERAS_JAX_ERROR_SCRIPT, "jax", d, call, on_corrupt)
-        for on_corrupt in ("raise", "skip")
-    }
+    if not _JAX_ERRORS:
+        rng = np.random.default_rng(0)
+        d = str(tmp_path_factory.mktemp("jax-errors") / "ds")
+        m = ArraysToRecords.from_arrays(
+            rng.standard_normal((400, 8)).astype(np.float32),
+            np.arange(400) % 2,
+            d,
+            samples_per_record=20,
+            min_shards=2,
+            verbose=0,
+        )
+        path = m.shard_path(m.shards[1])
+        raw = bytearray(Path(path).read_bytes())
+        raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
+        Path(path).write_bytes(raw)
+        runs = [
+            (f"{c} {mode}", KERAS_JAX_ERROR_SCRIPT, [d, c, mode])
+            for c in ("evaluate", "predict")
+            for mode in ("raise", "skip")
+        ]
+        _JAX_ERRORS.update(_run_together("jax", runs))
+    results = {mode: _JAX_ERRORS[f"{call} {mode}"] for mode in ("raise", "skip")}
     assert results["raise"]["raised"] == "CorruptRecordError"
     assert results["raise"]["after"].startswith("TypeError"), results
     assert results["skip"] == {"raised": None, "after": "weights kept"}, results
