@@ -6,7 +6,7 @@ SIGTERM) in the main thread wherever that thread is, including inside
 exception leaves the lock released by the wrong thread: a `queue.Queue` shared with
 another thread then loses a wake-up or fails with "release unlocked lock". The writer's
 thread waited forever for the item that ends it, and `keras-tfr convert` hung on SIGTERM
-instead of ending with 143 (about one run in 100 on a loaded 2-core machine).
+instead of ending with 143 (2 runs in about 85 on a loaded 2-core machine).
 
 Inside `deferred()`, these signals stay pending for the main thread; another thread may
 take them, and the main thread raises the exception as soon as the wait has returned, with
