@@ -1080,11 +1080,12 @@ def test_the_journal_encodes_each_shard_once(tmp_path, monkeypatch):
 
 
 _INTERRUPTED_WAITS = """
-import json, queue, random, signal, sys, threading, time
+import json, os, queue, random, signal, sys, threading, time
 
 class HeldQueue(queue.Queue):
     # `get` keeps the lock a moment after waking a waiting `put`: the window in which an
-    # interrupt of that `put` used to break the lock, made wide enough to hit every time.
+    # interrupt of that `put` broke `queue.Queue`'s lock (the writer's queue until the
+    # fix), made wide enough to hit in most runs.
     def get(self, block=True, timeout=None):
         with self.not_empty:
             while not self._qsize():
@@ -1097,22 +1098,24 @@ class HeldQueue(queue.Queue):
 queue.Queue = HeldQueue
 from keras_tfr.write.sink import _RecordSink
 
-class Writer:
+class Writer:  # as slow as the held queue: the caller waits for room most of the time
     def write_many(self, records):
-        pass
+        time.sleep(0.001)
 
 thread_errors = []
 threading.excepthook = lambda args: thread_errors.append(repr(args.exc_value))
-main = threading.get_ident()
 random.seed(0)
 interrupted = hung = raised = 0
-for _ in range(40):
+for i in range(60):
     sink = _RecordSink(max_records=2)
     sink.start_shard(Writer())
-    threading.Timer(random.random() * 0.01, signal.pthread_kill, (main, signal.SIGINT)).start()
+    # To the process, as `kill` and Ctrl-C send it: any thread may take it.
+    threading.Timer(random.random() * 0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
-        for i in range(10**6):
+        for j in range(10**6):
             sink.put((b"x", 0))
+            if j % 7 == 6:
+                sink.finish_shard()  # the other wait: for the queued records to be written
     except KeyboardInterrupt:
         interrupted += 1
     except RuntimeError:
@@ -1133,9 +1136,10 @@ print(json.dumps({"interrupted": interrupted, "hung": hung, "raised": raised,
 @pytest.mark.subprocess
 def test_ctrl_c_while_the_writer_waits_on_its_queue_leaves_the_queue_whole(run_script):
     """An interrupt (Ctrl-C, or SIGTERM in the command line) raised inside the writer's
-    wait on its full queue broke the queue's lock: the writer's thread died with "release
-    unlocked lock" or waited forever for the item that ends it, and `keras-tfr convert`
-    hung on SIGTERM (2 runs in about 85 under load). The waits now hold the signals back until
-    they return (`keras_tfr._signals.deferred`)."""
-    got = json.loads(run_script(_INTERRUPTED_WAITS, timeout=120).strip().splitlines()[-1])
-    assert got == {"interrupted": 40, "hung": 0, "raised": 0, "thread_errors": []}
+    wait on its full `queue.Queue` broke the queue's lock: the writer's thread died with
+    "release unlocked lock" or waited forever for the item that ends it, and `keras-tfr
+    convert` hung on SIGTERM (2 runs in about 85 under load). The caller now waits only
+    in C (`keras_tfr.write.sink._RecordSink`), where an interrupt leaves nothing half
+    done."""
+    got = json.loads(run_script(_INTERRUPTED_WAITS, timeout=300).strip().splitlines()[-1])
+    assert got == {"interrupted": 60, "hung": 0, "raised": 0, "thread_errors": []}

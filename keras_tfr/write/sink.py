@@ -15,7 +15,7 @@ import struct
 import sys
 from typing import Any, NoReturn
 
-from keras_tfr import _crc, _io, _signals
+from keras_tfr import _crc, _io
 from keras_tfr.format import framing
 from keras_tfr.manifest import ShardInfo
 from keras_tfr.write.inputs import libc, release_pages
@@ -51,15 +51,27 @@ class _RecordSink:
     The write releases the GIL, so while this thread writes one record the caller's
     thread slices, serializes and checksums the next (hardware CRC-32C): on two cores
     conversion runs close to the disk's rate.
-    The queue is bounded (about 64 MB of records), so memory stays bounded too; an error
-    in the thread is raised in the caller at the next `put` or `finish_shard`.
+    At most ``max_records`` records (about 64 MB) wait for the thread, so memory stays
+    bounded too; an error in the thread is raised in the caller at the next `put` or
+    `finish_shard`.
+
+    The caller waits only in C: for room, on `queue.SimpleQueue.get` of a token; for the
+    queued records to be written, on a lock the thread releases. An interrupt (Ctrl-C, or
+    the command line's SIGTERM) raised while the caller waits leaves both whole. With
+    `queue.Queue`, whose waits are Python `Condition`s over a plain lock, an interrupt
+    raised as a wait took its lock back left the lock released by the wrong thread: a
+    wake-up was lost, and `keras-tfr convert` hung on SIGTERM (2 runs in about 85 under
+    load), or the thread died with "release unlocked lock".
     """
 
     def __init__(self, max_records: int):
         import queue
         import threading
 
-        self._queue: queue.Queue = queue.Queue(maxsize=max_records)
+        self._items: queue.SimpleQueue = queue.SimpleQueue()  # for the thread, in order
+        self._room: queue.SimpleQueue = queue.SimpleQueue()  # a token per record it may hold
+        for _ in range(max_records):
+            self._room.put(None)
         self._error: BaseException | None = None
         self._writer: Any = None
         self._thread = threading.Thread(target=self._run, name="keras-tfr-writer", daemon=True)
@@ -70,10 +82,10 @@ class _RecordSink:
 
         while True:
             # What else is queued goes out with it: one `writev` for several records.
-            items = [self._queue.get()]
+            items = [self._items.get()]
             while len(items) < 64 and _is_record(items[-1]):
                 try:
-                    items.append(self._queue.get_nowait())
+                    items.append(self._items.get_nowait())
                 except queue.Empty:
                     break
             try:
@@ -81,14 +93,17 @@ class _RecordSink:
                 if records and self._error is None:
                     self._writer.write_many(records)
                 for it in items:
-                    if it is not None and not _is_record(it):
+                    if it is not None and it[0] == "release":
                         for arr in it[1]:
                             release_pages(arr, it[2], it[3])
             except BaseException as e:  # surfaced in the caller's thread
                 self._error = e
             finally:
-                for _ in items:
-                    self._queue.task_done()
+                for it in items:
+                    if _is_record(it):
+                        self._room.put(None)
+                    elif it is not None and it[0] == "written":
+                        it[1].release()  # everything queued before it is written
             if items[-1] is None:
                 return
 
@@ -97,38 +112,44 @@ class _RecordSink:
             error, self._error = self._error, None
             raise error
 
-    # Every wait on the queue holds Ctrl-C and SIGTERM back until it returns
-    # (`keras_tfr._signals`): an interrupt inside it broke the queue's lock.
+    def _wait_written(self) -> None:
+        """Returns once every item queued so far is through the thread."""
+        import threading
+
+        done = threading.Lock()
+        done.acquire()
+        self._items.put(("written", done))
+        done.acquire()  # released by the thread when it reaches the marker
 
     def start_shard(self, writer: Any) -> None:
-        with _signals.deferred():
-            self._queue.join()
+        self._wait_written()
         self._raise_pending()
         self._writer = writer
 
     def put(self, item: tuple) -> None:
         """Queues ``(record, its CRC-32C)`` for writing (the record as bytes or as a list
-        of parts), or ``("release", arrays, start, stop)`` to drop memmap pages once the
-        records before it are written."""
+        of parts), waiting for room, or ``("release", arrays, start, stop)`` to drop
+        memmap pages once the records before it are written."""
         self._raise_pending()
-        with _signals.deferred():
-            self._queue.put(item)
+        if _is_record(item):
+            self._room.get()
+        self._items.put(item)
 
     def finish_shard(self) -> None:
         """Waits until every queued record is written."""
-        with _signals.deferred():
-            self._queue.join()
+        self._wait_written()
         self._raise_pending()
 
     def stop(self) -> None:
-        with _signals.deferred():
-            self._queue.put(None)
+        self._items.put(None)
         self._thread.join()
         self._error = None
 
 
 def _is_record(item: Any) -> bool:
-    return item is not None and not (isinstance(item[0], str) and item[0] == "release")
+    """A record to write: not the end (None) nor a marker (``("release" | "written",
+    ...)``; a record's first part is bytes or a list)."""
+    return item is not None and not isinstance(item[0], str)
 
 
 class _FramedFile:
