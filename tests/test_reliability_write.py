@@ -1106,12 +1106,20 @@ thread_errors = []
 threading.excepthook = lambda args: thread_errors.append(repr(args.exc_value))
 random.seed(0)
 interrupted = hung = raised = 0
+
+def interrupt_later(go, delay):
+    go.acquire()  # once the caller is inside its `try`
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGINT)  # to the process, as `kill` and Ctrl-C send it
+
 for i in range(60):
     sink = _RecordSink(max_records=2)
     sink.start_shard(Writer())
-    # To the process, as `kill` and Ctrl-C send it: any thread may take it.
-    threading.Timer(random.random() * 0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+    go = threading.Lock()
+    go.acquire()
+    threading.Thread(target=interrupt_later, args=(go, random.random() * 0.01)).start()
     try:
+        go.release()
         for j in range(10**6):
             sink.put((b"x", 0))
             if j % 7 == 6:

@@ -93,7 +93,7 @@ class _RecordSink:
                 if records and self._error is None:
                     self._writer.write_many(records)
                 for it in items:
-                    if it is not None and it[0] == "release":
+                    if _tag(it) == "release":
                         for arr in it[1]:
                             release_pages(arr, it[2], it[3])
             except BaseException as e:  # surfaced in the caller's thread
@@ -102,7 +102,7 @@ class _RecordSink:
                 for it in items:
                     if _is_record(it):
                         self._room.put(None)
-                    elif it is not None and it[0] == "written":
+                    elif _tag(it) == "written":
                         it[1].release()  # everything queued before it is written
             if items[-1] is None:
                 return
@@ -146,10 +146,15 @@ class _RecordSink:
         self._error = None
 
 
+def _tag(item: Any) -> str | None:
+    """A marker's tag (``"release"``, ``"written"``); None for a record or the end."""
+    return item[0] if item is not None and isinstance(item[0], str) else None
+
+
 def _is_record(item: Any) -> bool:
-    """A record to write: not the end (None) nor a marker (``("release" | "written",
-    ...)``; a record's first part is bytes or a list)."""
-    return item is not None and not isinstance(item[0], str)
+    """A record to write, ``(bytes or a list of parts, CRC)``: not the end (None) nor a
+    marker."""
+    return item is not None and _tag(item) is None
 
 
 class _FramedFile:
