@@ -440,40 +440,45 @@ KERAS_JAX_ERROR_SCRIPT = textwrap.dedent(
     print(json.dumps({"raised": raised, "after": after}))
     """
 )
-_JAX_ERRORS: dict = {}  # the results of every call and mode, from one JAX process
+
+
+@pytest.fixture(scope="module")
+def jax_errors(tmp_path_factory):
+    """``{"<call> <on_corrupt>": result}`` of `KERAS_JAX_ERROR_SCRIPT` for `evaluate` and
+    `predict`, each in both modes, from one JAX process, on a data set with one damaged
+    record."""
+    pytest.importorskip("jax", reason="the jax backend is not installed")
+    rng = np.random.default_rng(0)
+    d = str(tmp_path_factory.mktemp("jax-errors") / "ds")
+    m = ArraysToRecords.from_arrays(
+        rng.standard_normal((400, 8)).astype(np.float32),
+        np.arange(400) % 2,
+        d,
+        samples_per_record=20,
+        min_shards=2,
+        verbose=0,
+    )
+    path = m.shard_path(m.shards[1])
+    raw = bytearray(Path(path).read_bytes())
+    raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
+    Path(path).write_bytes(raw)
+    runs = [
+        (f"{c} {mode}", KERAS_JAX_ERROR_SCRIPT, [d, c, mode])
+        for c in ("evaluate", "predict")
+        for mode in ("raise", "skip")
+    ]
+    return _run_together("jax", runs)
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("call", ["evaluate", "predict"])
-def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(tmp_path_factory, call):
+def test_keras_jax_loses_the_weights_when_evaluate_or_predict_raise(jax_errors, call):
     """docs/reliability.md, known limits: under JAX, Keras (checked on 3.15) leaves a
     trained model without its weights when `evaluate` or `predict` raise (it restores them only in
     `fit`); `on_corrupt="skip"` keeps both working. When this test fails, Keras has fixed
     it: update the docs."""
-    pytest.importorskip("jax", reason="the jax backend is not installed")
-    if not _JAX_ERRORS:
-        rng = np.random.default_rng(0)
-        d = str(tmp_path_factory.mktemp("jax-errors") / "ds")
-        m = ArraysToRecords.from_arrays(
-            rng.standard_normal((400, 8)).astype(np.float32),
-            np.arange(400) % 2,
-            d,
-            samples_per_record=20,
-            min_shards=2,
-            verbose=0,
-        )
-        path = m.shard_path(m.shards[1])
-        raw = bytearray(Path(path).read_bytes())
-        raw[3 * (m.record_bytes + 16) + 40] ^= 0x04
-        Path(path).write_bytes(raw)
-        runs = [
-            (f"{c} {mode}", KERAS_JAX_ERROR_SCRIPT, [d, c, mode])
-            for c in ("evaluate", "predict")
-            for mode in ("raise", "skip")
-        ]
-        _JAX_ERRORS.update(_run_together("jax", runs))
-    results = {mode: _JAX_ERRORS[f"{call} {mode}"] for mode in ("raise", "skip")}
+    results = {mode: jax_errors[f"{call} {mode}"] for mode in ("raise", "skip")}
     assert results["raise"]["raised"] == "CorruptRecordError"
     assert results["raise"]["after"].startswith("TypeError"), results
     assert results["skip"] == {"raised": None, "after": "weights kept"}, results
