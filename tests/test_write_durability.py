@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from keras_tfr import ArraysToRecords
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 from keras_tfr.manifest import MANIFEST_NAME, PROGRESS_NAME, Manifest
 from keras_tfr.verifier import verify
 
@@ -151,7 +151,7 @@ def _assert_resumes_to_one_write(d, ref, x, layout):
 
 _COMPRESSED_FILE_SIZE_LIMIT = """
 import json, resource, sys, traceback
-from keras_tfr import ArraysToRecords
+from keras_tfr import ArraysToRecords, TFRecordSequenceSource
 sys.path.insert(0, sys.argv[1])
 from test_write_durability import _mostly_incompressible
 
@@ -249,3 +249,94 @@ def test_a_compressed_shard_on_a_full_disk_names_the_shard(tmp_path, monkeypatch
     assert sorted(os.listdir(d)) == [PROGRESS_NAME, "shard-00000.tfrecord", "shard-00001.tfrecord"]
     monkeypatch.setattr(sink, "open_record_file", real_open)
     _assert_resumes_to_one_write(d, ref, x, layout)
+
+
+_PIECE = 2 << 20
+
+
+def _spy_writev(monkeypatch, most: int | None = None) -> list[tuple[int, int]]:
+    """Records ``(file offset, bytes written)`` of each `os.writev` of the writer;
+    ``most``: each call writes at most that many bytes (a short write)."""
+    from keras_tfr.write import sink
+
+    calls: list[tuple[int, int]] = []
+    real = os.writev
+
+    def spy(fd, parts):
+        at = os.lseek(fd, 0, os.SEEK_CUR)
+        if most is not None:
+            data = b"".join(parts)[:most]
+            n = os.write(fd, data)
+        else:
+            n = real(fd, parts)
+        calls.append((at, n))
+        return n
+
+    monkeypatch.setattr(sink.os, "writev", spy)
+    return calls
+
+
+def test_a_local_shard_is_written_in_whole_aligned_2_mb_pieces(tmp_path, monkeypatch):
+    """Written record by record (about 1 MB each, at any offset), a shard was cached in
+    small pieces that the reader cannot map as huge pages. Each `writev` now starts at a
+    multiple of 2 MB, and all but a shard's last cover whole 2 MB pieces."""
+    calls = _spy_writev(monkeypatch)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3000, 1000)).astype(np.float32)  # 12 MB, records of 1 MB
+    y = np.arange(3000, dtype=np.int64)
+    d = str(tmp_path / "ds")
+    m = ArraysToRecords.from_arrays(x, y, d, shard_size="5MB", min_shards=1, verbose=0)
+    assert len(m.shards) >= 3 and m.record_bytes > 900_000
+    assert calls and all(at % _PIECE == 0 and n > 0 for at, n in calls), calls
+    partial = [c for c in calls if c[1] % _PIECE]
+    assert len(partial) <= len(m.shards), calls  # one closing write per shard at most
+    assert sum(n for _, n in calls) == sum(s.bytes for s in m.shards)
+    got = TFRecordSequenceSource(d, batch_size=500, shuffle=False).as_numpy_iterator()
+    xs, ys = zip(*got)
+    assert np.concatenate(xs).tobytes() == x.tobytes()
+    assert np.array_equal(np.concatenate(ys), y)
+
+
+def test_short_writes_still_write_every_byte_in_order(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3000, 1000)).astype(np.float32)
+    y = np.arange(3000, dtype=np.int64)
+    layout = dict(shard_size="5MB", min_shards=1, verbose=0)
+    ArraysToRecords.from_arrays(x, y, str(tmp_path / "ref"), **layout)
+    calls = _spy_writev(monkeypatch, most=(1 << 20) + 3)
+    ArraysToRecords.from_arrays(x, y, str(tmp_path / "short"), **layout)
+    assert any(n == (1 << 20) + 3 for _, n in calls), calls  # short writes did happen
+    ref, short = Manifest.load(str(tmp_path / "ref")), Manifest.load(str(tmp_path / "short"))
+    assert [s.bytes for s in short.shards] == [s.bytes for s in ref.shards]
+    for s in ref.shards:
+        with open(ref.shard_path(s), "rb") as a, open(short.shard_path(s), "rb") as b:
+            assert a.read() == b.read(), s.file
+
+
+def test_releasing_a_memmap_drops_only_whole_aligned_2_mb_pieces(tmp_path, monkeypatch):
+    """`MADV_DONTNEED` on part of a huge page split it; converting from a memmap, the
+    shards written after the first were then cached in small pieces."""
+    from keras_tfr.write import inputs
+
+    advised: list[tuple[int, int, int]] = []
+
+    class Libc:
+        def madvise(self, addr, length, advice):
+            advised.append((addr.value, length.value, advice))
+            return 0
+
+    monkeypatch.setattr(inputs, "libc", lambda: Libc())
+    path = str(tmp_path / "x.npy")
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(4096, 1000))
+    arr.flush()
+    arr = np.load(path, mmap_mode="r")
+    row = arr.strides[0]
+    base = arr.__array_interface__["data"][0]
+    inputs.release_pages(arr, 100, 3900)
+    ((addr, length, _),) = advised
+    assert addr % _PIECE == 0 and length % _PIECE == 0 and length > 0
+    assert base + 100 * row <= addr and addr + length <= base + 3900 * row
+    assert (3800 * row - length) < 2 * _PIECE
+    advised.clear()
+    inputs.release_pages(arr, 100, 300)  # 0.8 MB: inside one piece, nothing to drop
+    assert advised == []

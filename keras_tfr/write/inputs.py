@@ -506,6 +506,11 @@ def release_pages(arr: Any, start: int, stop: int) -> None:
     converting a memmap larger than RAM would look like it loads the whole file.
     ``MADV_DONTNEED`` on a read-only or shared mapping only drops the mapping's pages (the
     data stays in the file and the page cache); copy-on-write (mode ``"c"``) maps are left alone.
+
+    Dropped in whole, aligned 2 MB pieces (at most 2 MB more stays mapped): the kernel maps
+    a huge page of the page cache whole, and dropping part of one split it; converting so
+    from a memmap, the shards written after the first were cached in small pieces, which
+    the reader cannot map as huge pages (`keras_tfr.write.sink._FramedFile`).
     """
     if not isinstance(arr, np.memmap) or getattr(arr, "mode", "c") not in ("r", "r+", "readonly"):
         return
@@ -513,19 +518,23 @@ def release_pages(arr: Any, start: int, stop: int) -> None:
         return
     import mmap
 
-    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True)
+    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True, grain=_HUGE_PAGE)
 
 
-def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool) -> None:
+_HUGE_PAGE = 2 << 20
+
+
+def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool, grain: int = 0) -> None:
     """`madvise` on rows ``[start, stop)`` of a C-contiguous array: on the whole pages
-    inside them (``inward``) or on every page they touch. Errors are ignored (an advice)."""
+    (or pieces of ``grain`` bytes, a multiple of the page size) inside them (``inward``)
+    or on every page they touch. Errors are ignored (an advice)."""
     try:
         import ctypes
         import mmap
 
         row = arr.strides[0]
         base = arr.__array_interface__["data"][0]
-        page = mmap.PAGESIZE
+        page = max(mmap.PAGESIZE, grain)
         lo = base + start * row
         hi = base + stop * row
         if inward:
