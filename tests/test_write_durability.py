@@ -315,7 +315,11 @@ def test_short_writes_still_write_every_byte_in_order(tmp_path, monkeypatch):
 
 def test_releasing_a_memmap_drops_only_whole_aligned_2_mb_pieces(tmp_path, monkeypatch):
     """`MADV_DONTNEED` on part of a huge page split it; converting from a memmap, the
-    shards written after the first were then cached in small pieces."""
+    shards written after the first were then cached in small pieces. Released record by
+    record (about 1 MB each), the rows go in whole 2 MB pieces, each once, and every
+    row but the last piece's is dropped in the end."""
+    import mmap
+
     from keras_tfr.write import inputs
 
     advised: list[tuple[int, int, int]] = []
@@ -329,14 +333,16 @@ def test_releasing_a_memmap_drops_only_whole_aligned_2_mb_pieces(tmp_path, monke
     path = str(tmp_path / "x.npy")
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(4096, 1000))
     arr.flush()
-    arr = np.load(path, mmap_mode="r")
-    row = arr.strides[0]
+    arr = np.load(path, mmap_mode="r")[7:]  # rows start inside a page
     base = arr.__array_interface__["data"][0]
-    inputs.release_pages(arr, 100, 3900)
-    ((addr, length, _),) = advised
-    assert addr % _PIECE == 0 and length % _PIECE == 0 and length > 0
-    assert base + 100 * row <= addr and addr + length <= base + 3900 * row
-    assert (3800 * row - length) < 2 * _PIECE
-    advised.clear()
-    inputs.release_pages(arr, 100, 300)  # 0.8 MB: inside one piece, nothing to drop
-    assert advised == []
+    end = base + arr.nbytes
+    first = -(-base // mmap.PAGESIZE) * mmap.PAGESIZE
+    for start in range(0, len(arr), 250):
+        inputs.release_pages(arr, start, min(start + 250, len(arr)))
+    assert advised and {a for _, _, a in advised} == {mmap.MADV_DONTNEED}
+    ranges = [(lo, lo + n) for lo, n, _ in advised]
+    assert ranges[0][0] == first  # never before the array's first page
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+        assert lo == hi and lo % _PIECE == 0  # each piece once, in order
+    assert ranges[-1][1] == end // _PIECE * _PIECE  # all but the last piece's rows
+    assert end - ranges[-1][1] < _PIECE

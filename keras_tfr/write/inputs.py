@@ -507,10 +507,13 @@ def release_pages(arr: Any, start: int, stop: int) -> None:
     ``MADV_DONTNEED`` on a read-only or shared mapping only drops the mapping's pages (the
     data stays in the file and the page cache); copy-on-write (mode ``"c"``) maps are left alone.
 
-    Dropped in whole, aligned 2 MB pieces (at most 2 MB more stays mapped): the kernel maps
-    a huge page of the page cache whole, and dropping part of one split it; converting so
-    from a memmap, the shards written after the first were cached in small pieces, which
-    the reader cannot map as huge pages (`keras_tfr.write.sink._FramedFile`).
+    Dropped in whole, aligned 2 MB pieces, as conversion passes them: from the 2 MB
+    boundary at or below row ``start`` (the rows before it were converted before: rows
+    are released in order) to the one at or below row ``stop`` (the rows past it wait
+    for the next call; at most 2 MB stays mapped). The kernel maps a huge page of the
+    page cache whole, and dropping part of one split it: converting so from a memmap,
+    the shards written after the first were cached in small pieces, which the reader
+    cannot map as huge pages (`keras_tfr.write.sink._FramedFile`).
     """
     if not isinstance(arr, np.memmap) or getattr(arr, "mode", "c") not in ("r", "r+", "readonly"):
         return
@@ -526,8 +529,10 @@ _HUGE_PAGE = 2 << 20
 
 def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool, grain: int = 0) -> None:
     """`madvise` on rows ``[start, stop)`` of a C-contiguous array: on the whole pages
-    (or pieces of ``grain`` bytes, a multiple of the page size) inside them (``inward``)
-    or on every page they touch. Errors are ignored (an advice)."""
+    inside them (``inward``) or on every page they touch. With ``grain`` (a multiple of
+    the page size) and ``inward``: on the whole ``grain`` pieces from the one that holds
+    row ``start`` (never before the array's first page) to the one that holds row
+    ``stop``. Errors are ignored (an advice)."""
     try:
         import ctypes
         import mmap
@@ -537,7 +542,10 @@ def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool, grain: 
         page = max(mmap.PAGESIZE, grain)
         lo = base + start * row
         hi = base + stop * row
-        if inward:
+        if inward and grain:  # whole pieces from the one that holds ``lo``, in the array
+            first = (base + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            lo, hi = max(first, lo // page * page), hi // page * page
+        elif inward:
             lo, hi = (lo + page - 1) // page * page, hi // page * page
         else:
             lo, hi = lo // page * page, (hi + page - 1) // page * page
