@@ -3,9 +3,9 @@
 A random gather of 3 KB samples from 0.5 GB misses the TLB on nearly every sample when
 the pages are 4 KB; NumPy's arrays in RAM get 2 MB pages (NumPy asks for them), and so
 does the tensor Keras makes of them for `fit`. keras-tfr maps each shard on a 2 MB
-boundary with ``MADV_HUGEPAGE`` (where that costs at most twice the address space) and
-writes shards in whole, aligned 2 MB pieces, so that the page cache holds them in huge
-pages the kernel can map whole (`keras_tfr.read.mapped._Region`,
+boundary (where that costs at most twice the address space) and writes shards in whole,
+aligned 2 MB pieces, so that the page cache holds them in huge pages the kernel can map
+whole (`keras_tfr.read.mapped._Region`,
 `keras_tfr.write.sink._FramedFile`).
 
 The data set is written as `make bench` writes it (from a memory-mapped ``.npy``). Then,

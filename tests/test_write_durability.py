@@ -5,6 +5,7 @@ before and after its rename."""
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import subprocess
@@ -342,7 +343,7 @@ def test_releasing_a_memmap_drops_only_whole_aligned_2_mb_pieces(tmp_path, monke
     assert advised and {a for _, _, a in advised} == {mmap.MADV_DONTNEED}
     ranges = [(lo, lo + n) for lo, n, _ in advised]
     assert ranges[0][0] == first  # never before the array's first page
-    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
         assert lo == hi and lo % _PIECE == 0  # each piece once, in order
     assert ranges[-1][1] == end // _PIECE * _PIECE  # all but the last piece's rows
     assert end - ranges[-1][1] < _PIECE

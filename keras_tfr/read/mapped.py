@@ -119,7 +119,6 @@ _PROT_READ = 1
 _MAP_FIXED = 0x10  # the same value on Linux and macOS
 _MADV_WILLNEED = 3  # the same values on Linux and macOS
 _MADV_DONTNEED = 4
-_MADV_HUGEPAGE = 14  # Linux
 _HUGE_PAGE = 2 << 20
 _HUGE_ALIGN = sys.platform.startswith("linux")  # shards on huge-page boundaries (`_Region`)
 # A fault on a file's page maps the page cache's pages around it: 64 KB (Linux's
@@ -242,13 +241,15 @@ class _Region:
         self.remaps = 0  # shards mapped again so far: a plan that saw fewer looks again
         slots = _slots(sizes, math.lcm(mmap.PAGESIZE, align))
         # On Linux, where it costs at most twice the address space, every shard starts on
-        # a huge-page boundary (2 MB) and is advised ``MADV_HUGEPAGE``, so that the kernel
-        # maps the page cache's huge pages whole (one TLB entry for 2 MB instead of 512),
-        # and reads a cold shard into huge pages. A random gather then misses the TLB far
-        # less, as it does from an array in memory (NumPy asks for huge pages for its
-        # arrays): 5-10 % less time per gather of 256 samples of 3 KB
-        # (docs/benchmarks.md). The writer writes shards in whole, aligned 2 MB pieces, so
-        # that a data set just written is cached in huge pages too (`keras_tfr.write.sink`).
+        # a huge-page boundary (2 MB), so that the kernel maps the page cache's huge pages
+        # whole (one TLB entry for 2 MB instead of 512): a random gather then misses the
+        # TLB far less, as it does from an array in memory (NumPy asks for huge pages for
+        # its arrays). The writer writes shards in whole, aligned 2 MB pieces, so that a
+        # data set just written is cached in huge pages (`keras_tfr.write.sink`); one read
+        # from disk is cached in the pieces the kernel's read-ahead makes (128 KB here).
+        # ``MADV_HUGEPAGE`` would have cold shards read into huge pages, in a tenth of the
+        # disk requests, but the first epoch from disk then ran 2.5-3x slower
+        # (docs/benchmarks.md, "Huge pages").
         huge = _slots(sizes, math.lcm(mmap.PAGESIZE, align, _HUGE_PAGE))
         self.huge = _HUGE_ALIGN and sum(huge) <= 2 * sum(slots) + _HUGE_PAGE
         if self.huge:
@@ -318,8 +319,6 @@ class _Region:
                         raise MapLimitError(path, k, len(self.files))
                     self.problems[k] = f"the file cannot be memory-mapped ({os.strerror(err)})"
                     return
-                if self.huge:
-                    _libc().madvise(got, size, _MADV_HUGEPAGE)
             self.sizes[k] = size
             self.signatures[k] = _signature(st)
         finally:
