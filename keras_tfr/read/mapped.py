@@ -235,7 +235,7 @@ class _Region:
     mappings of a 2 GB data set showed as 4 GB.
     """
 
-    def __init__(self, files: list[str], sizes: list[int], align: int = 1):
+    def __init__(self, files: list[str], sizes: list[int], align: int = 1, huge: bool = True):
         libc = _libc()
         self.lock = threading.Lock()  # held while shards are found changed and remapped
         self.remaps = 0  # shards mapped again so far: a plan that saw fewer looks again
@@ -249,11 +249,13 @@ class _Region:
         # from disk is cached in the pieces the kernel's read-ahead makes (128 KB here).
         # ``MADV_HUGEPAGE`` would have cold shards read into huge pages, in a tenth of the
         # disk requests, but the first epoch from disk then ran 2.5-3x slower
-        # (docs/benchmarks.md, "Huge pages").
-        huge = _slots(sizes, math.lcm(mmap.PAGESIZE, align, _HUGE_PAGE))
-        self.huge = _HUGE_ALIGN and sum(huge) <= 2 * sum(slots) + _HUGE_PAGE
+        # (docs/benchmarks.md, "Huge pages"). Not ``huge`` (reading in windows, where the
+        # pages kept mapped must not grow with the data): 4 KB boundaries, as a touch of
+        # a sample then maps less than its whole 2 MB.
+        huge_slots = _slots(sizes, math.lcm(mmap.PAGESIZE, align, _HUGE_PAGE))
+        self.huge = huge and _HUGE_ALIGN and sum(huge_slots) <= 2 * sum(slots) + _HUGE_PAGE
         if self.huge:
-            slots = huge
+            slots = huge_slots
         self.files = files
         self.total = int(sum(slots))
         self.starts = np.cumsum([0, *slots])[:-1].astype(np.int64)
@@ -356,14 +358,14 @@ def _slots(sizes: list[int], align: int) -> list[int]:
     return [max(align, -(-int(s) // align) * align) for s in sizes]
 
 
-def shared_region(files: list[str], sizes: list[int], align: int) -> _Region:
-    """The process's `_Region` of these shards (paths, sizes, alignment), made on first use
-    and unmapped once nothing holds it."""
-    key = (tuple(files), tuple(int(s) for s in sizes), int(align))
+def shared_region(files: list[str], sizes: list[int], align: int, huge: bool = True) -> _Region:
+    """The process's `_Region` of these shards (paths, sizes, alignment, huge pages or
+    not), made on first use and unmapped once nothing holds it."""
+    key = (tuple(files), tuple(int(s) for s in sizes), int(align), bool(huge))
     with _regions_lock:
         region = _REGIONS.get(key)
         if region is None:
-            region = _REGIONS[key] = _Region(files, sizes, align)
+            region = _REGIONS[key] = _Region(files, sizes, align, huge)
         return region
 
 
@@ -482,7 +484,11 @@ class MappedPlan:
         with self._region_lock:
             if self._region is None:
                 period = self.lattice.period if self.lattice is not None else 1
-                self._region = shared_region(self.files, self.shard_bytes, period)
+                # Huge pages only for one order over every sample: read in windows (or a
+                # subset scanned), each touch of a sample mapped its whole 2 MB, and the
+                # pages kept mapped grew with the data (`_Region`).
+                huge = not (self.order.windowed or self.order.scan)
+                self._region = shared_region(self.files, self.shard_bytes, period, huge)
                 # The files this plan's checks were made on (another plan may remap the
                 # shared region): a shard whose mapped file is not one of them is
                 # checked again. A region some plan has mapped again, or a data set
