@@ -347,3 +347,32 @@ def test_releasing_a_memmap_drops_only_whole_aligned_2_mb_pieces(tmp_path, monke
         assert lo == hi and lo % _PIECE == 0  # each piece once, in order
     assert ranges[-1][1] == end // _PIECE * _PIECE  # all but the last piece's rows
     assert end - ranges[-1][1] < _PIECE
+
+
+@pytest.mark.parametrize("size", [1, 1000, 70_000, 3 << 20])
+def test_records_of_any_size_are_framed_byte_for_byte_in_aligned_pieces(
+    tmp_path, monkeypatch, size
+):
+    """Records much smaller than 2 MB wait in the tail together; one larger than 2 MB
+    spans pieces. Either way the file is TensorFlow's framing of the records, in order."""
+    import tensorflow as tf
+
+    from keras_tfr.write.sink import _FramedFile
+
+    calls = _spy_writev(monkeypatch)
+    rng = np.random.default_rng(size)
+    count = max(3, (7 << 20) // (size + 16))
+    records = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
+    path = str(tmp_path / "f.tfrecord")
+    f = _FramedFile(path)
+    for k in range(0, count, 7):  # several records per call, as the writer's thread does
+        f.write_many([(r, None) for r in records[k : k + 7]])
+    f.close()
+    assert all(at % _PIECE == 0 for at, _ in calls)
+    assert all(n % _PIECE == 0 for _, n in calls[:-1])  # only the last is partial
+    ref = str(tmp_path / "ref.tfrecord")
+    with tf.io.TFRecordWriter(ref) as w:
+        for r in records:
+            w.write(r)
+    with open(path, "rb") as a, open(ref, "rb") as b:
+        assert a.read() == b.read()

@@ -214,22 +214,27 @@ class _FramedFile:
                 for part in parts:
                     self._f.write(bytes(part))
             return
-        if self._tail:
-            parts, total = [self._tail, *parts], total + len(self._tail)
-        cut = (self._pos + total) // _PIECE * _PIECE - self._pos  # bytes up to a boundary
-        head: list[Any] = []
+        # ``_pos`` is a multiple of 2 MB and the tail shorter: either these parts reach the
+        # next boundary, and the tail goes out whole with them, or they join the tail
+        # (each byte is copied into a tail once at most, however small the records).
+        cut = (self._pos + len(self._tail) + total) // _PIECE * _PIECE - self._pos
+        if not cut:
+            for part in parts:
+                self._tail += memoryview(part).cast("B")
+            return
+        head: list[Any] = [memoryview(self._tail)] if self._tail else []
+        cut -= len(self._tail)
+        tail = bytearray()
         for i, part in enumerate(parts):
             view = memoryview(part).cast("B")
             if len(view) > cut:  # the part that crosses the boundary, and those after it
                 head.append(view[:cut])
-                tail = bytearray(view[cut:])
+                tail += view[cut:]
                 for rest in parts[i + 1 :]:
                     tail += memoryview(rest).cast("B")
                 break
             head.append(view)
             cut -= len(view)
-        else:
-            tail = bytearray()
         self._writev(head)
         self._tail = tail
 
