@@ -36,13 +36,13 @@ SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
 BATCH = 256
 
 
-def worker(data: str, rounds: int) -> dict:
+def paired_epochs(x: np.ndarray, y: np.ndarray, sources: dict, rounds: int) -> dict:
+    """One model fitted one epoch at a time on the NumPy arrays and on each source in
+    ``sources``, in turn (the order flips each round; round 0 traces and warms up, not
+    kept). Returns, per pipeline (``"numpy"`` and each source's name), the wall and CPU
+    seconds (all threads) of each kept epoch."""
     import keras
 
-    from keras_tfr import TFRecordSequenceSource
-
-    x, y = np.load(os.path.join(data, "x.npy")), np.load(os.path.join(data, "y.npy"))
-    src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
     model = keras.Sequential(
         [keras.Input(x.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(10)]
     )
@@ -57,20 +57,34 @@ def worker(data: str, rounds: int) -> dict:
             last["wall"] = time.perf_counter() - self.t0
             last["cpu"] = time.process_time() - self.c0
 
-    rates: dict[str, list[float]] = {"numpy": [], "keras-tfr": []}
-    cpus: dict[str, list[float]] = {"numpy": [], "keras-tfr": []}
+    names = ["numpy", *sources]
+    out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
     for r in range(rounds + 1):
-        order = ("numpy", "keras-tfr") if r % 2 == 0 else ("keras-tfr", "numpy")
-        for p in order:
-            if p == "numpy":
+        for n in names if r % 2 == 0 else names[::-1]:
+            if n == "numpy":
                 model.fit(x, y, batch_size=BATCH, shuffle=True, epochs=1, verbose=0,
                           callbacks=[Timer()])  # fmt: skip
             else:
-                model.fit(src, epochs=1, verbose=0, callbacks=[Timer()])
-            if r:  # round 0 traces and warms up
-                rates[p].append(len(x) / last["wall"])
-                cpus[p].append(last["cpu"])
-    return {"rates": rates, "cpus": cpus, "backend": keras.backend.backend()}
+                model.fit(sources[n], epochs=1, verbose=0, callbacks=[Timer()])
+            if r:
+                out[n]["wall"].append(last["wall"])
+                out[n]["cpu"].append(last["cpu"])
+    return out
+
+
+def worker(data: str, rounds: int) -> dict:
+    import keras
+
+    from keras_tfr import TFRecordSequenceSource
+
+    x, y = np.load(os.path.join(data, "x.npy")), np.load(os.path.join(data, "y.npy"))
+    src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
+    epochs = paired_epochs(x, y, {"keras-tfr": src}, rounds)
+    return {
+        "rates": {p: [len(x) / w for w in e["wall"]] for p, e in epochs.items()},
+        "cpus": {p: e["cpu"] for p, e in epochs.items()},
+        "backend": keras.backend.backend(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

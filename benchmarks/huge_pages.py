@@ -28,13 +28,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from backend_fit import generate, run_worker
-from fit_paired import BATCH, SHAPES
+from fit_paired import BATCH, SHAPES, paired_epochs
 
 
 def mapped_in_huge_pages(lo: int, hi: int) -> tuple[int, int]:
@@ -71,30 +70,7 @@ def worker(data: str, rounds: int) -> dict:
         region = src._mapped_plan.region()
         coverage[name] = mapped_in_huge_pages(region.base, region.base + region.total)
         sources[name] = src
-    model = keras.Sequential(
-        [keras.Input(x.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(10)]
-    )
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    last: dict[str, float] = {}
-
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            last["wall"] = time.perf_counter() - self.t0
-
-    names = ["numpy", *sources]
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds + 1):
-        for n in names if r % 2 == 0 else names[::-1]:
-            if n == "numpy":
-                model.fit(x, y, batch_size=BATCH, shuffle=True, epochs=1, verbose=0,
-                          callbacks=[Timer()])  # fmt: skip
-            else:
-                model.fit(sources[n], epochs=1, verbose=0, callbacks=[Timer()])
-            if r:  # round 0 traces and warms up
-                walls[n].append(last["wall"])
+    walls = {n: e["wall"] for n, e in paired_epochs(x, y, sources, rounds).items()}
     return {
         "walls": walls,
         "coverage": coverage,
