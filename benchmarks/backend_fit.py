@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -105,6 +106,15 @@ def generate(data: str, samples: int, shape: tuple[int, ...] = SHAPE) -> None:
     ArraysToRecords.from_arrays(x, y, os.path.join(data, "ktfr"), verbose=0)
 
 
+def serve(worker: Callable[[str, str], dict], main: Callable[[], int]) -> None:
+    """A script's entry point: ``script --_worker DATA ARG`` prints ``worker(DATA, ARG)`` as
+    JSON (what `run_worker` reads), anything else runs ``main()``."""
+    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
+        print(json.dumps(worker(sys.argv[2], sys.argv[3])))
+    else:
+        sys.exit(main())
+
+
 def run_worker(script: str, args: list[str], backend: str, timeout: float) -> dict | None:
     """Runs ``script --_worker *args`` in a new process under Keras backend ``backend``
     and returns its last line of output as JSON (checked to be that backend's), or None
@@ -158,7 +168,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
-        print(json.dumps(worker(sys.argv[2], sys.argv[3])))
-    else:
-        sys.exit(main())
+    serve(worker, main)

@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from backend_fit import generate, run_worker
+from backend_fit import generate, run_worker, serve
 
 SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
 BATCH = 256
@@ -72,14 +71,14 @@ def paired_epochs(x: np.ndarray, y: np.ndarray, sources: dict, rounds: int) -> d
     return out
 
 
-def worker(data: str, rounds: int) -> dict:
+def worker(data: str, rounds: str) -> dict:
     import keras
 
     from keras_tfr import TFRecordSequenceSource
 
     x, y = np.load(os.path.join(data, "x.npy")), np.load(os.path.join(data, "y.npy"))
     src = TFRecordSequenceSource(os.path.join(data, "ktfr"), batch_size=BATCH, seed=0)
-    epochs = paired_epochs(x, y, {"keras-tfr": src}, rounds)
+    epochs = paired_epochs(x, y, {"keras-tfr": src}, int(rounds))
     return {
         "rates": {p: [len(x) / w for w in e["wall"]] for p, e in epochs.items()},
         "cpus": {p: e["cpu"] for p, e in epochs.items()},
@@ -118,7 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
-        print(json.dumps(worker(sys.argv[2], int(sys.argv[3]))))
-    else:
-        sys.exit(main())
+    serve(worker, main)

@@ -23,7 +23,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from backend_fit import generate, run_worker
+from backend_fit import generate, run_worker, serve
 from fit_paired import BATCH, SHAPES, paired_epochs
 
 
@@ -53,7 +52,7 @@ def mapped_in_huge_pages(lo: int, hi: int) -> tuple[int, int]:
     return rss, pmd
 
 
-def worker(data: str, rounds: int) -> dict:
+def worker(data: str, rounds: str) -> dict:
     import keras
 
     from keras_tfr import TFRecordSequenceSource
@@ -70,7 +69,7 @@ def worker(data: str, rounds: int) -> dict:
         region = src._mapped_plan.region()
         coverage[name] = mapped_in_huge_pages(region.base, region.base + region.total)
         sources[name] = src
-    walls = {n: e["wall"] for n, e in paired_epochs(x, y, sources, rounds).items()}
+    walls = {n: e["wall"] for n, e in paired_epochs(x, y, sources, int(rounds)).items()}
     return {
         "walls": walls,
         "coverage": coverage,
@@ -117,7 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "--_worker":
-        print(json.dumps(worker(sys.argv[2], int(sys.argv[3]))))
-    else:
-        sys.exit(main())
+    serve(worker, main)

@@ -18,6 +18,12 @@ from typing import Any, BinaryIO
 
 from keras_tfr.errors import DatasetLockedError
 
+# The largest piece the page cache keeps a file in (a huge page, as large folios go on
+# Linux 6.x): the writer writes shards in whole, aligned pieces of it, the reader maps
+# shards on its boundaries, and memory is dropped from a mapping in whole pieces of it
+# (part of one dropped splits it).
+HUGE_PAGE = 2 << 20
+
 try:
     import fcntl
 except ImportError:  # Windows: the lock falls back to an exclusive create

@@ -86,6 +86,7 @@ from typing import Any
 import numpy as np
 
 from keras_tfr import _crc
+from keras_tfr._io import HUGE_PAGE
 from keras_tfr.format import framing
 from keras_tfr.read.order import SampleOrder
 from keras_tfr.schema import BlockEncoder, FeatureSpec, Lattice, tf_bytes_to_feature
@@ -119,12 +120,11 @@ _PROT_READ = 1
 _MAP_FIXED = 0x10  # the same value on Linux and macOS
 _MADV_WILLNEED = 3  # the same values on Linux and macOS
 _MADV_DONTNEED = 4
-_HUGE_PAGE = 2 << 20
 _HUGE_ALIGN = sys.platform.startswith("linux")  # shards on huge-page boundaries (`_Region`)
 # A fault on a file's page maps the page cache's pages around it: 64 KB (Linux's
 # fault-around), and on recent kernels (6.18 here) the whole large folio that holds it,
-# up to 2 MB where the file was just written. Dropped records are rounded out to this.
-_MAP_AROUND = 2 << 20
+# up to a huge page where the file was just written. Dropped records are rounded out to this.
+_MAP_AROUND = HUGE_PAGE
 
 
 def available() -> bool:
@@ -252,20 +252,20 @@ class _Region:
         # (docs/benchmarks.md, "Huge pages"). Not ``huge`` (reading in windows, where the
         # pages kept mapped must not grow with the data): 4 KB boundaries, as a touch of
         # a sample then maps less than its whole 2 MB.
-        huge_slots = _slots(sizes, math.lcm(mmap.PAGESIZE, align, _HUGE_PAGE))
-        self.huge = huge and _HUGE_ALIGN and sum(huge_slots) <= 2 * sum(slots) + _HUGE_PAGE
+        huge_slots = _slots(sizes, math.lcm(mmap.PAGESIZE, align, HUGE_PAGE))
+        self.huge = huge and _HUGE_ALIGN and sum(huge_slots) <= 2 * sum(slots) + HUGE_PAGE
         if self.huge:
             slots = huge_slots
         self.files = files
         self.total = int(sum(slots))
         self.starts = np.cumsum([0, *slots])[:-1].astype(np.int64)
         anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        pad = _HUGE_PAGE if self.huge else 0
+        pad = HUGE_PAGE if self.huge else 0
         reserved = libc.mmap(None, self.total + pad, 0, anon, -1, 0)
         if reserved in (None, ctypes.c_void_p(-1).value):
             err = ctypes.get_errno()
             raise OSError(err, f"keras-tfr: cannot reserve {self.total} bytes of addresses")
-        self.base = -(-int(reserved) // _HUGE_PAGE) * _HUGE_PAGE if self.huge else int(reserved)
+        self.base = -(-int(reserved) // HUGE_PAGE) * HUGE_PAGE if self.huge else int(reserved)
         self._closer = weakref.finalize(self, libc.munmap, int(reserved), self.total + pad)
         # Not at interpreter exit (the process's end unmaps it anyway): an iterator still
         # open then has TensorFlow's threads copying from the range while Python shuts

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_tfr._io import HUGE_PAGE
 from keras_tfr.schema import SUPPORTED_DTYPES, FeatureSpec, bool_bytes, check_dtype
 
 
@@ -521,10 +522,7 @@ def release_pages(arr: Any, start: int, stop: int) -> None:
         return
     import mmap
 
-    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True, grain=_HUGE_PAGE)
-
-
-_HUGE_PAGE = 2 << 20
+    _madvise(arr, start, stop, mmap.MADV_DONTNEED, inward=True, grain=HUGE_PAGE)
 
 
 def _madvise(arr: Any, start: int, stop: int, advice: int, inward: bool, grain: int = 0) -> None:

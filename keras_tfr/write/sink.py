@@ -23,7 +23,6 @@ from keras_tfr.write.journal import SHARD_FILE, write_journal
 from keras_tfr.write.plan import Layout
 
 _SYNC_FILE_RANGE_WRITE = 2
-_PIECE = 2 << 20  # a huge page: shards are written in whole, aligned pieces of it
 _IOV_MAX = 1024  # buffers one `writev` takes, on Linux
 
 
@@ -217,7 +216,7 @@ class _FramedFile:
         # ``_pos`` is a multiple of 2 MB and the tail shorter: either these parts reach the
         # next boundary, and the tail goes out whole with them, or they join the tail
         # (each byte is copied into a tail once at most, however small the records).
-        cut = (self._pos + len(self._tail) + total) // _PIECE * _PIECE - self._pos
+        cut = (self._pos + len(self._tail) + total) // _io.HUGE_PAGE * _io.HUGE_PAGE - self._pos
         if not cut:
             for part in parts:
                 self._tail += memoryview(part).cast("B")
