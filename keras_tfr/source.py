@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from keras_tfr._compat import tf as compat_tf
 from keras_tfr._compat.tf import OwnedIterator
 from keras_tfr._seeds import drawn_seed, only_op_seeds
 from keras_tfr.errors import CorruptRecordError
@@ -271,7 +272,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
         self._py_funcs: set[int] = set()
         forget = weakref.finalize(self, _forget_py_funcs, self._py_funcs)
         forget.atexit = False
-        with only_op_seeds(), _py_funcs_of(self._py_funcs):
+        # Its functions prepared without Grappler for each new iterator
+        # (`keras_tfr._compat.tf.one_device_functions`).
+        with only_op_seeds(), _py_funcs_of(self._py_funcs), compat_tf.one_device_functions():
             self._impl = self._build()
         super().__init__(self._impl._variant_tensor)
 
@@ -858,7 +861,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
             return self  # the service reads whole epochs: `set_epoch` says it has no effect
         with only_op_seeds():
             if self._resumable is None:
-                with _py_funcs_of(self._py_funcs):
+                with _py_funcs_of(self._py_funcs), compat_tf.one_device_functions():
                     self._resumable = self._uncounted(self._clock.take)
             counted = self._resumable.apply(
                 tf.data.experimental.assert_cardinality(self._steps - step)
@@ -868,6 +871,10 @@ class TFRecordSequenceSource(tf.data.Dataset):
     def _tf_options(self, direct: bool) -> tf.data.Options:
         opts = self._cfg
         options = tf.data.Options()
+        # Every pipeline ends in a `prefetch`, so this default rewrite would add nothing;
+        # and TensorFlow 2.21's runs it on the functions `one_device_functions` marks too,
+        # where it fails ("Expected only one fetch node") for one with several outputs.
+        options.experimental_optimization.inject_prefetch = False
         if direct:
             options.deterministic = True
             options.experimental_optimization.apply_default_optimizations = False
@@ -1017,7 +1024,6 @@ def _py_funcs_of(owned: set[int]) -> Iterator[None]:
     hold it). Builds are serialized, so that the functions registered meanwhile by
     keras-tfr are this build's (other code's are told apart by their module).
     """
-    from keras_tfr._compat import tf as compat_tf
 
     funcs = compat_tf.eager_py_funcs()
     with _BUILD_LOCK:

@@ -361,6 +361,27 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
+        "tensorflow.python.data.ops.structured_function",
+        "StructuredFunctionWrapper.__init__",
+        "tensorflow",
+        _TF,
+        "wrapped: while a source builds its pipeline, the functions tf.data traces for it get "
+        "the attribute below through `defun_kwargs`, so that each new iterator prepares them "
+        "without Grappler",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
+        "tensorflow.python.eager.polymorphic_function.attributes",
+        "INTS_ON_DEVICE",
+        "tensorflow",
+        _TF,
+        "the function attribute (experimental_ints_on_device) that turns tf.data's "
+        "multi-device execution, and so its Grappler pass per iterator, off for a function",
+        ("keras_tfr.source",),
+        "keras_tfr._compat.tf",
+    ),
+    PrivateAPI(
         "tensorflow.python.lib.io._pywrap_record_io",
         "RandomRecordReader",
         "tensorflow",
@@ -487,7 +508,20 @@ def _deep_checks() -> list[tuple[str, Callable[[], list[str]]]]:
 
         return keras_build.check_private_api()
 
+    def tf_functions() -> list[str]:
+        from keras_tfr._compat import tf as compat_tf
+
+        try:
+            compat_tf.wrapper_init()
+        except (ImportError, AttributeError, TypeError) as e:
+            return [
+                "tensorflow.python.data.ops.structured_function.StructuredFunctionWrapper"
+                f" (used by keras_tfr.source through keras_tfr._compat.tf) moved: {e}"
+            ]
+        return []
+
     return [
+        ("tensorflow", tf_functions),
         ("keras", shuffle),
         ("keras", errors),
         ("keras", resume),
