@@ -108,13 +108,17 @@ def _map_samples(fn: Callable, values: Any, key: str) -> Any:
         elem = tf.TensorSpec([None, *values.shape[2:]], values.dtype)
     else:
         elem = tf.TensorSpec(values.shape[1:], values.dtype)
-    traced = tf.function(fn).get_concrete_function(elem).structured_outputs
+    # A `tf.function`, so that AutoGraph converts the user's function (its Python `if`
+    # on tensors, say) also where the caller's own is not converted (keras-tfr's
+    # pipelines: `keras_tfr._compat.tf.one_device_functions`).
+    per_sample = tf.function(fn)
+    traced = per_sample.get_concrete_function(elem).structured_outputs
     if not isinstance(traced, tf.Tensor):
         raise TypeError(
             f"Expected `decode[{key!r}]` to return one tensor per sample. Received: {traced!r}"
         )
     signature = tf.TensorSpec(traced.shape, traced.dtype)
-    return tf.map_fn(fn, values, fn_output_signature=signature)
+    return tf.map_fn(per_sample, values, fn_output_signature=signature)
 
 
 def finish_features(decode: Mapping[str, Callable], ragged: str) -> Callable:

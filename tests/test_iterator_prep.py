@@ -1,9 +1,10 @@
-"""What a new iterator prepares: the source's tf.data functions are marked
-``experimental_ints_on_device`` (`keras_tfr._compat.tf.one_device_functions`), so that
-TensorFlow prepares them on one device, without its Grappler pass, each time Keras makes
-an iterator (every epoch, every validation pass). Only the source's own functions: the
-user's (``source.map(f)``) and any other pipeline keep TensorFlow's default. The time it
-saves is measured in ``benchmarks/epoch_start.py``, not here."""
+"""What building a source and each new iterator prepare: the source's tf.data functions
+are marked ``experimental_ints_on_device`` (`keras_tfr._compat.tf.one_device_functions`),
+so that TensorFlow prepares them on one device, without its Grappler pass, each time
+Keras makes an iterator (every epoch, every validation pass), and are traced without
+AutoGraph. Only the source's own functions: the user's (``source.map(f)``) and any other
+pipeline keep TensorFlow's default, and the user's ``decode`` functions are still
+converted. The time it saves is measured in ``benchmarks/epoch_start.py``, not here."""
 
 from __future__ import annotations
 
@@ -137,3 +138,54 @@ def test_a_moved_tracing_api_is_named_and_changes_nothing(monkeypatch, sources):
     with compat_tf.one_device_functions() as installed:
         pass
     assert not installed
+
+
+def test_the_sources_functions_are_traced_without_autograph(write_sorted, tmp_path, monkeypatch):
+    """AutoGraph converted every Python function the pipeline's functions call (the
+    layout's byte arithmetic included), which took 3.6 s for a block-mode source of two
+    features and 11.7 s for one of 150 (docs/benchmarks.md); none of them has Python
+    control flow on tensors, so the source traces them as they are."""
+    from tensorflow.python.autograph.impl import api
+
+    d, *_ = write_sorted(300)
+    converted = []
+    original = api.converted_call
+
+    def counting(f, *args, **kwargs):
+        func = getattr(f, "__func__", f)
+        converted.append(str(getattr(func, "__module__", "")))
+        return original(f, *args, **kwargs)
+
+    monkeypatch.setattr(api, "converted_call", counting)
+    for access in ("samples", "blocks"):
+        src = TFRecordSequenceSource(d, batch_size=32, seed=2, access=access)
+        assert len(_batches(src)) == len(src)
+    ours = [m for m in converted if m.startswith("keras_tfr")]
+    assert ours == []
+
+
+def test_a_users_decoder_with_python_control_flow_is_still_converted(tmp_path):
+    """The user's ``decode`` functions run inside the source's (unconverted) function:
+    they are still converted by AutoGraph, so a Python ``if`` on a tensor works."""
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(1, 9, n, dtype=np.int32) for n in rng.integers(1, 9, 40)]
+    labels = np.arange(40)
+    d = str(tmp_path / "seqs")
+    ArraysToRecords.from_arrays(
+        [(seqs[i : i + 10], labels[i : i + 10]) for i in range(0, 40, 10)],
+        directory=d, variable_length=["x"], verbose=0,
+    )  # fmt: skip
+
+    def total_or_minus_one(v):
+        total = tf.reduce_sum(v)
+        if total > 20:  # a Python `if` on a tensor: AutoGraph makes it a `tf.cond`
+            total = -tf.ones_like(total)
+        return total
+
+    src = TFRecordSequenceSource(d, batch_size=8, seed=0, decode={"x": total_or_minus_one})
+    got = {}
+    for xb, yb in src:
+        got.update(zip(yb.numpy().tolist(), xb.numpy().tolist()))
+    expected = {i: (int(s.sum()) if s.sum() <= 20 else -1) for i, s in enumerate(seqs)}
+    assert got == expected
+    assert any(v == -1 for v in got.values()) and any(v > 0 for v in got.values())

@@ -29,7 +29,7 @@ imported until an accessor runs: importing this module does not load TensorFlow.
   ``defun_kwargs`` become the function's attributes. `one_device_functions` marks the
   source's own functions ``experimental_ints_on_device``
   (``tensorflow.python.eager.polymorphic_function.attributes.INTS_ON_DEVICE``), so that
-  each new iterator prepares them without Grappler.
+  each new iterator prepares them without Grappler, and traces them without AutoGraph.
 """
 
 from __future__ import annotations
@@ -199,6 +199,9 @@ def wrapper_init() -> tuple[Any, Any, inspect.Signature]:
 def _install_one_device() -> bool:
     """Wraps ``StructuredFunctionWrapper.__init__`` once per process (see
     `one_device_functions`); False where its signature is not the one verified."""
+    import tensorflow as tf
+
+    do_not_convert = tf.autograph.experimental.do_not_convert
     with _one_device_lock:
         try:
             cls, init, signature = wrapper_init()
@@ -215,6 +218,7 @@ def _install_one_device() -> bool:
                     attrs = dict(bound.arguments.get("defun_kwargs") or {})
                     attrs.setdefault(_ONE_DEVICE_ATTR, True)
                     bound.arguments["defun_kwargs"] = attrs
+                    bound.arguments["func"] = do_not_convert(bound.arguments["func"])
                     return init(*bound.args, **bound.kwargs)
             return init(self, *args, **kwargs)
 
@@ -226,9 +230,16 @@ def _install_one_device() -> bool:
 @contextlib.contextmanager
 def one_device_functions() -> Iterator[bool]:
     """While the block runs, the functions this thread's tf.data stages trace (``map``,
-    ``flat_map``, ``filter``, ...) are marked ``experimental_ints_on_device``. Yields
-    whether they are (False where TensorFlow's tracing is not the one verified: then
-    nothing changes).
+    ``flat_map``, ``filter``, ...) are marked ``experimental_ints_on_device`` and traced
+    without AutoGraph (`tf.autograph.experimental.do_not_convert`). Yields whether they
+    are (False where TensorFlow's tracing is not the one verified: then nothing changes).
+
+    AutoGraph converted every Python function these call, the layout's byte arithmetic
+    included: building a block-mode source took 3.6 s for two features and 11.7 s for
+    150, 0.18 s and 1.17 s without it (docs/benchmarks.md). keras-tfr's pipeline code
+    has no Python control flow on tensors (it calls `tf.cond` where it needs one); the
+    user's ``decode`` functions it calls are traced as `tf.function`s, which AutoGraph
+    still converts (`keras_tfr.tfrecords.finish_features`).
 
     TensorFlow prepares every function of a pipeline again for each iterator it makes,
     and Keras makes one for every epoch and every validation pass. A tf.data function
