@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_tfr import _checks, _io
+from keras_tfr._compat import tf as compat_tf
 from keras_tfr._seeds import drawn_seed, only_op_seeds
 from keras_tfr.manifest import DEFAULT_RECORD_SIZE, DEFAULT_SHARD_SIZE, Manifest, parse_size
 
@@ -622,14 +623,18 @@ def from_tfrecords(
         with only_op_seeds():  # the seeds are fixed here, as the op is built
             files = files.shuffle(len(kept), seed=seed, reshuffle_each_iteration=True)
     cycle = max(1, min(num_parallel_reads or min(8, max(2, os.cpu_count() or 2)), len(kept)))
-    records = files.interleave(
-        lambda p: tf.data.TFRecordDataset(p, compression or "", buffer_size=_READ_BUFFER),
-        cycle_length=cycle,
-        # Not shuffled: whole files one after another, in the given order.
-        block_length=1 if shuffle else max(c for _, c in kept),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,  # the seed alone decides the order
-    )
+    # Functions prepared without Grappler for each new iterator, traced without AutoGraph
+    # (`keras_tfr._compat.tf.one_device_functions`), as a source's are.
+    ours = compat_tf.one_device_functions
+    with ours():
+        records = files.interleave(
+            lambda p: tf.data.TFRecordDataset(p, compression or "", buffer_size=_READ_BUFFER),
+            cycle_length=cycle,
+            # Not shuffled: whole files one after another, in the given order.
+            block_length=1 if shuffle else max(c for _, c in kept),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,  # the seed alone decides the order
+        )
     if shuffle:
         mean_record = max(1, sum(_stat(p)[0] for p, _ in kept) // max(1, total))
         buffer = max(1, min(total, shuffle_bytes // mean_record))
@@ -654,9 +659,15 @@ def from_tfrecords(
         return values[0] if len(values) == 1 else tuple(values)
 
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
-    batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    with ours():
+        batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     batches = batches.prefetch(tf.data.AUTOTUNE)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
+    # TensorFlow 2.21's `inject_prefetch` fails on such functions (`TFRecordSequenceSource`
+    # turns it off too); the pipeline ends in a prefetch already.
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    batches = batches.with_options(options)
     if _raw_roles:
         batches._keras_tfr_roles = roles
         batches._keras_tfr_total = total

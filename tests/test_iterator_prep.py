@@ -189,3 +189,33 @@ def test_a_users_decoder_with_python_control_flow_is_still_converted(tmp_path):
     expected = {i: (int(s.sum()) if s.sum() <= 20 else -1) for i, s in enumerate(seqs)}
     assert got == expected
     assert any(v == -1 for v in got.values()) and any(v > 0 for v in got.values())
+
+
+def test_from_tfrecords_functions_are_marked_and_read_with_the_defaults_on(tmp_path):
+    rng = np.random.default_rng(6)
+    x = rng.random((90, 4), dtype=np.float32)
+    path = str(tmp_path / "d.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for i in range(90):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[i])),
+            }
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    features = {
+        "x": tf.io.FixedLenFeature([4], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+    }
+    ds = TFRecordSequenceSource.from_tfrecords(path, features, 16, y="y", seed=1)
+    functions = _functions(ds)
+    assert functions and all(_marked(f) for f in functions.values())
+    on = tf.data.Options()
+    on.experimental_optimization.apply_default_optimizations = True
+    batches = list(ds.with_options(on).as_numpy_iterator())
+    assert len(batches) == len(ds) == 6
+    ids = np.concatenate([yb for _, yb in batches])
+    assert sorted(ids.tolist()) == list(range(90)) and ids.tolist() != list(range(90))
+    for xb, yb in batches:
+        assert xb.tobytes() == x[yb].tobytes()
