@@ -873,7 +873,8 @@ class TFRecordSequenceSource(tf.data.Dataset):
         options = tf.data.Options()
         # Every pipeline ends in a `prefetch`, so this default rewrite would add nothing;
         # and TensorFlow 2.21's runs it on the functions `one_device_functions` marks too,
-        # where it fails ("Expected only one fetch node") for one with several outputs.
+        # where it fails ("Expected only one fetch node") for one with several outputs, an
+        # int32 among them (such a function returns int32 through `_DeviceRetval`).
         options.experimental_optimization.inject_prefetch = False
         if direct:
             options.deterministic = True

@@ -625,8 +625,7 @@ def from_tfrecords(
     cycle = max(1, min(num_parallel_reads or min(8, max(2, os.cpu_count() or 2)), len(kept)))
     # Functions prepared without Grappler for each new iterator, traced without AutoGraph
     # (`keras_tfr._compat.tf.one_device_functions`), as a source's are.
-    ours = compat_tf.one_device_functions
-    with ours():
+    with compat_tf.one_device_functions():
         records = files.interleave(
             lambda p: tf.data.TFRecordDataset(p, compression or "", buffer_size=_READ_BUFFER),
             cycle_length=cycle,
@@ -659,12 +658,13 @@ def from_tfrecords(
         return values[0] if len(values) == 1 else tuple(values)
 
     batches = records.batch(batch_size, drop_remainder=drop_remainder)
-    with ours():
+    with compat_tf.one_device_functions():
         batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     batches = batches.prefetch(tf.data.AUTOTUNE)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
-    # TensorFlow 2.21's `inject_prefetch` fails on such functions (`TFRecordSequenceSource`
-    # turns it off too); the pipeline ends in a prefetch already.
+    # TensorFlow 2.21's `inject_prefetch` fails on such functions with an int32 among
+    # several outputs (`TFRecordSequenceSource` turns it off too); the pipeline ends in a
+    # prefetch already.
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False
     batches = batches.with_options(options)

@@ -1,4 +1,5 @@
-"""Shared by the reader tests: the check that one epoch's batches follow the source's order."""
+"""Shared by the reader tests: the check that one epoch's batches follow the source's order,
+and TFRecord files of other tools (one `tf.train.Example` per sample)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,23 @@ def check_order(batches, order, *arrays) -> int:
             same(got, want[rows])
         at += len(batch[1])
     return at
+
+
+def write_examples(path: str, x, y) -> dict:
+    """Writes one `tf.train.Example` per sample to ``path``: ``x`` flattened as a float
+    list, ``y`` as an int64; returns the features that parse them back."""
+    import tensorflow as tf
+
+    with tf.io.TFRecordWriter(path) as w:
+        for a, b in zip(x, y):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=np.ravel(a))),
+                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[b])),
+            }
+            w.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    return {
+        "x": tf.io.FixedLenFeature([int(np.prod(np.shape(x)[1:]))], tf.float32),
+        "y": tf.io.FixedLenFeature([], tf.int64),
+    }

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from _readers import write_examples
 
 from keras_tfr import ArraysToRecords, TFRecordSequenceSource, _compat
 from keras_tfr._compat import tf as compat_tf
@@ -114,8 +115,9 @@ def test_only_the_building_thread_inside_the_block_is_marked(sources):
 
 def test_tensorflows_default_rewrites_turned_on_read_the_same_batches(sources):
     """TensorFlow 2.21's `inject_prefetch` rewrite, one of its defaults, fails on a marked
-    function with several outputs ("Expected only one fetch node"): the source turns it
-    off (its pipeline ends in a prefetch), also where a user turns the defaults on."""
+    function with several outputs, an int32 among them ("Expected only one fetch node"):
+    the source turns it off (its pipeline ends in a prefetch), also where a user turns
+    the defaults on."""
     on = tf.data.Options()
     on.experimental_optimization.apply_default_optimizations = True
     on.autotune.enabled = True
@@ -195,19 +197,7 @@ def test_from_tfrecords_functions_are_marked_and_read_with_the_defaults_on(tmp_p
     rng = np.random.default_rng(6)
     x = rng.random((90, 4), dtype=np.float32)
     path = str(tmp_path / "d.tfrecord")
-    with tf.io.TFRecordWriter(path) as w:
-        for i in range(90):
-            feature = {
-                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
-                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[i])),
-            }
-            w.write(
-                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
-            )
-    features = {
-        "x": tf.io.FixedLenFeature([4], tf.float32),
-        "y": tf.io.FixedLenFeature([], tf.int64),
-    }
+    features = write_examples(path, x, np.arange(90))
     ds = TFRecordSequenceSource.from_tfrecords(path, features, 16, y="y", seed=1)
     functions = _functions(ds)
     assert functions and all(_marked(f) for f in functions.values())

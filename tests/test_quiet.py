@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
+from _readers import write_examples
 
 from keras_tfr import _quiet
 from keras_tfr._compat import keras_shuffle
@@ -82,19 +83,7 @@ def test_keras_tfr_data_sets_that_shuffle_themselves_do_not_warn_either(tmp_path
 
     x, y = small_xy
     path = str(tmp_path / "old.tfrecord")
-    with tf.io.TFRecordWriter(path) as w:
-        for a, b in zip(x, y):
-            feature = {
-                "x": tf.train.Feature(float_list=tf.train.FloatList(value=a.reshape(-1))),
-                "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[b])),
-            }
-            w.write(
-                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
-            )
-    features = {
-        "x": tf.io.FixedLenFeature([15], tf.float32),
-        "y": tf.io.FixedLenFeature([], tf.int64),
-    }
+    features = write_examples(path, x, y)
     ArraysToRecords.from_arrays(x.reshape(34, 15), y, str(tmp_path / "ds"), verbose=0)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])  # a distributed data set, not a source
     model = keras.Sequential([keras.Input((15,)), keras.layers.Dense(34)])

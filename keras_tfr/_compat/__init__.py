@@ -366,9 +366,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         "tensorflow",
         _TF,
         "wrapped: while a source builds its pipeline, the functions tf.data traces for it get "
-        "the attribute below through `defun_kwargs`, so that each new iterator prepares them "
-        "without Grappler",
-        ("keras_tfr.source",),
+        "the attribute below through `defun_kwargs` (so that each new iterator prepares them "
+        "without Grappler) and are traced without AutoGraph",
+        ("keras_tfr.source", "keras_tfr.tfrecords"),
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
@@ -378,7 +378,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
         _TF,
         "the function attribute (experimental_ints_on_device) that turns tf.data's "
         "multi-device execution, and so its Grappler pass per iterator, off for a function",
-        ("keras_tfr.source",),
+        ("keras_tfr.source", "keras_tfr.tfrecords"),
         "keras_tfr._compat.tf",
     ),
     PrivateAPI(
@@ -516,7 +516,8 @@ def _deep_checks() -> list[tuple[str, Callable[[], list[str]]]]:
         except (ImportError, AttributeError, TypeError) as e:
             return [
                 "tensorflow.python.data.ops.structured_function.StructuredFunctionWrapper"
-                f" (used by keras_tfr.source through keras_tfr._compat.tf) moved: {e}"
+                " (used by keras_tfr.source and keras_tfr.tfrecords through"
+                f" keras_tfr._compat.tf) moved: {e}"
             ]
         return []
 
