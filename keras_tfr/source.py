@@ -870,12 +870,7 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
     def _tf_options(self, direct: bool) -> tf.data.Options:
         opts = self._cfg
-        options = tf.data.Options()
-        # Every pipeline ends in a `prefetch`, so this default rewrite would add nothing;
-        # and TensorFlow 2.21's runs it on the functions `one_device_functions` marks too,
-        # where it fails ("Expected only one fetch node") for one with several outputs, an
-        # int32 among them (such a function returns int32 through `_DeviceRetval`).
-        options.experimental_optimization.inject_prefetch = False
+        options = compat_tf.no_inject_prefetch(tf.data.Options())
         if direct:
             options.deterministic = True
             options.experimental_optimization.apply_default_optimizations = False

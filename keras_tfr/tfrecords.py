@@ -662,12 +662,7 @@ def from_tfrecords(
         batches = batches.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     batches = batches.prefetch(tf.data.AUTOTUNE)
     batches = batches.apply(tf.data.experimental.assert_cardinality(steps))
-    # TensorFlow 2.21's `inject_prefetch` fails on such functions with an int32 among
-    # several outputs (`TFRecordSequenceSource` turns it off too); the pipeline ends in a
-    # prefetch already.
-    options = tf.data.Options()
-    options.experimental_optimization.inject_prefetch = False
-    batches = batches.with_options(options)
+    batches = batches.with_options(compat_tf.no_inject_prefetch(tf.data.Options()))
     if _raw_roles:
         batches._keras_tfr_roles = roles
         batches._keras_tfr_total = total

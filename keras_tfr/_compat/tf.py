@@ -49,6 +49,7 @@ __all__ = [
     "dataset_inputs",
     "eager_py_funcs",
     "get_global_seed",
+    "no_inject_prefetch",
     "one_device_functions",
     "owned_iterator",
     "random_record_reader",
@@ -260,3 +261,17 @@ def one_device_functions() -> Iterator[bool]:
         yield installed
     finally:
         _ONE_DEVICE.depth -= 1
+
+
+def no_inject_prefetch(options: Any) -> Any:
+    """``options`` (a `tf.data.Options`) with TensorFlow's ``inject_prefetch`` rewrite off,
+    for a pipeline whose functions `one_device_functions` marked; returns ``options``.
+
+    TensorFlow 2.21 runs that default rewrite on tf.data functions too, and fails
+    ("Expected only one fetch node") on a marked one with several outputs, an int32
+    among them: its test for "this item is a function" looks for ``_Retval`` nodes, and
+    a marked function returns int32 through ``_DeviceRetval``. keras-tfr's pipelines end
+    in a ``prefetch``, so the rewrite has nothing to add to them.
+    """
+    options.experimental_optimization.inject_prefetch = False
+    return options
