@@ -5,8 +5,10 @@ percent between two pipelines measured in separate processes. Here one model is 
 for one epoch on the NumPy arrays, then one epoch on a `TFRecordSequenceSource` of the
 same data, and so on (the order flips each round, the first round is warm-up); each
 epoch is timed alone and each keras-tfr epoch is divided by the NumPy epoch of its
-round. It prints the median of those ratios, each pipeline's median rate and CPU-seconds
-per epoch (all threads), and every ratio.
+round. It prints the median of those ratios with a 95 % bootstrap interval (the rounds
+resampled with replacement, seeded: a median whose interval holds 1.0 is parity within
+what the rounds can tell apart), each pipeline's median rate and CPU-seconds per epoch
+(all threads), and every ratio.
 
 Shapes (float32, batch 256, Flatten + Dense(10), as `run_all.py`'s ``fit`` rows):
 ``small`` 160,000 x 28x28x1 (0.5 GB), ``large`` 16,384 x 64x64x3 (0.8 GB).
@@ -33,6 +35,23 @@ from backend_fit import generate, run_worker, serve
 
 SHAPES = {"small": (160_000, (28, 28, 1)), "large": (16_384, (64, 64, 3))}
 BATCH = 256
+
+
+def median_interval(
+    ratios: list[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile bootstrap interval for the median of ``ratios``: the rounds drawn
+    with replacement ``resamples`` times (seeded, so a run's report is reproducible),
+    and the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of their medians."""
+    if not ratios:
+        raise ValueError("Expected at least one ratio. Received: none")
+    if not 0 < level < 1:
+        raise ValueError(f"Expected `level` in (0, 1). Received: {level!r}")
+    values = np.asarray(ratios, dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, len(values), (resamples, len(values)))
+    medians = np.median(values[draws], axis=1)
+    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def paired_epochs(x: np.ndarray, y: np.ndarray, sources: dict, rounds: int) -> dict:
@@ -106,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         f"fit under {res['backend']}, {args.shape}: {samples} x {shape} float32, batch "
         f"{BATCH}, {args.rounds} rounds of one epoch each, alternated in one process"
     )
-    print(f"keras-tfr / in-memory NumPy, median of the rounds: {statistics.median(ratios):.3f}x")
+    lo, hi = median_interval(ratios)
+    print(
+        f"keras-tfr / in-memory NumPy, median of the rounds: {statistics.median(ratios):.3f}x "
+        f"(95 % bootstrap interval {lo:.3f}x-{hi:.3f}x)"
+    )
     for p in ("keras-tfr", "numpy"):
         print(
             f"  {p:10s} {statistics.median(res['rates'][p]):10,.0f} ex/s, "

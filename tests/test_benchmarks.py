@@ -20,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -252,3 +253,29 @@ def test_unknown_pipelines_are_refused_before_any_work(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown pipelines ['nope']" in proc.stderr
     assert not out.exists() and not (tmp_path / "d").exists()
+
+
+def _fit_paired():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fit_paired
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return fit_paired
+
+
+def test_fit_paired_interval_brackets_the_median_and_narrows_with_rounds():
+    fit_paired = _fit_paired()
+    rng = np.random.default_rng(1)
+    few = list(1.0 + 0.08 * rng.standard_normal(10))
+    many = list(1.0 + 0.08 * rng.standard_normal(160))
+    lo_few, hi_few = fit_paired.median_interval(few)
+    lo_many, hi_many = fit_paired.median_interval(many)
+    assert lo_few <= float(np.median(few)) <= hi_few
+    assert lo_many <= float(np.median(many)) <= hi_many
+    assert hi_many - lo_many < (hi_few - lo_few) / 2  # 16x the rounds: about a quarter
+    assert fit_paired.median_interval(few) == (lo_few, hi_few)  # seeded
+    # Rounds all 3 % above parity: the interval leaves 1.0 out.
+    assert fit_paired.median_interval([1.03] * 5 + [1.02, 1.04] * 5)[0] > 1.0
+    with pytest.raises(ValueError, match="at least one ratio"):
+        fit_paired.median_interval([])
