@@ -7,10 +7,13 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -865,23 +868,102 @@ if not is_worker():
 """
 
 
+def test_the_chief_binds_a_port_of_its_own_and_workers_connect_to_it(tmp_path, monkeypatch):
+    import grpc
+
+    from keras_tfr.tuner import launch
+
+    # `_port_handoff` replaces these two; put back after the test.
+    monkeypatch.setattr(grpc, "server", grpc.server)
+    monkeypatch.setattr(grpc, "insecure_channel", grpc.insecure_channel)
+    open_channel, make_server = grpc.insecure_channel, grpc.server
+    servers = []
+    with socket.socket() as taken:
+        # The port picked up front, taken since by another program.
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        up_front = taken.getsockname()[1]
+        plain = grpc.server(ThreadPoolExecutor(max_workers=1))
+        with pytest.raises(RuntimeError):  # what the chief met before
+            plain.add_insecure_port(f"127.0.0.1:{up_front}")
+        port_file = tmp_path / "oracle.port"
+        monkeypatch.setenv("KERASTUNER_ORACLE_IP", "127.0.0.1")
+        monkeypatch.setenv("KERASTUNER_ORACLE_PORT", str(up_front))
+        monkeypatch.setenv(launch._PORT_FILE_ENV, str(port_file))
+        try:
+            launch._port_handoff(chief=True)
+            chief = grpc.server(ThreadPoolExecutor(max_workers=1))
+            servers.append(chief)
+            bound = chief.add_insecure_port(f"127.0.0.1:{up_front}")
+            assert bound not in (0, up_front)
+            assert int(port_file.read_text()) == bound
+            chief.start()
+            # Another server of the script binds what it asks for; the file stays.
+            other = grpc.server(ThreadPoolExecutor(max_workers=1))
+            servers.append(other)
+            assert other.add_insecure_port("127.0.0.1:0") not in (0, bound)
+            assert int(port_file.read_text()) == bound
+
+            launch._port_handoff(chief=False)
+            channel = grpc.insecure_channel(f"127.0.0.1:{up_front}")
+            grpc.channel_ready_future(channel).result(timeout=20)  # the chief's server
+            channel.close()
+            # The address given up front holds no gRPC server: a channel there is not ready.
+            stray = open_channel(f"127.0.0.1:{up_front}")
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(stray).result(timeout=1)
+            stray.close()
+            # Why a port picked up front is not enough: a second gRPC server (a second
+            # search) binds a port in use without an error, and the two share it.
+            twin = make_server(ThreadPoolExecutor(max_workers=1))
+            servers.append(twin)
+            assert twin.add_insecure_port(f"127.0.0.1:{bound}") == bound
+        finally:
+            for srv in servers:
+                srv.stop(None)
+
+
+def test_a_worker_waits_for_the_chiefs_port(tmp_path):
+    from keras_tfr.tuner import launch
+
+    port_file = tmp_path / "oracle.port"
+
+    def chief_binds() -> None:
+        time.sleep(0.3)
+        (tmp_path / "oracle.port.tmp").write_text("4242")
+        os.replace(tmp_path / "oracle.port.tmp", port_file)
+
+    writer = threading.Thread(target=chief_binds)
+    start = time.monotonic()
+    writer.start()
+    assert launch._wait_for_port(str(port_file)) == 4242
+    assert time.monotonic() - start >= 0.3
+    writer.join()
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_distributed_search_with_two_workers(data_dirs, tmp_path):
-    from keras_tfr.tuner import tune
+def test_distributed_search_with_two_workers(data_dirs, tmp_path, monkeypatch):
+    from keras_tfr.tuner import launch, tune
 
     script = _script(tmp_path, DISTRIBUTED_SCRIPT)
     log_path = tmp_path / "runs.jsonl"
     project = tmp_path / "project"
-    result = tune(
-        script,
-        [data_dirs["train"], data_dirs["val"], str(log_path), str(project)],
-        workers=2,
-        timeout=400,
-        cwd=tmp_path,
-        log_dir=tmp_path / "logs",
-        verbose=False,
-    )
+    with socket.socket() as taken:
+        # The port the launcher picks up front is taken before the chief starts (another
+        # program, another search): the chief binds one of its own, the workers find it.
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "_free_port", lambda: taken.getsockname()[1])
+        result = tune(
+            script,
+            [data_dirs["train"], data_dirs["val"], str(log_path), str(project)],
+            workers=2,
+            timeout=400,
+            cwd=tmp_path,
+            log_dir=tmp_path / "logs",
+            verbose=False,
+        )
     logs = {p.name: p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log")}
     assert result.returncode == 0, (result.errors, logs)
     assert result.returncodes == {"chief": 0, "tuner0": 0, "tuner1": 0}

@@ -33,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus", default=None, help="comma-separated GPU ids handed to the workers in turn"
     )
     parser.add_argument(
-        "--port", type=int, default=None, help="the oracle's port on 127.0.0.1 (a free one)"
+        "--port",
+        type=int,
+        default=None,
+        help="the oracle's port on 127.0.0.1 (default: one the chief binds and reports)",
     )
     parser.add_argument(
         "--timeout", type=float, default=None, help="stop everything after this many seconds"

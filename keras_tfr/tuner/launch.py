@@ -27,7 +27,15 @@ what the launcher does about it:
   ``overwrite`` for the chief only;
 * the oracle's state (``oracle.json``, ``trial_*/trial.json``) is saved by the chief
   after every trial, so the launcher reads the results from those files. The objective's
-  direction is not in them; the bootstrap reports it when the chief's tuner is built.
+  direction is not in them; the bootstrap reports it when the chief's tuner is built;
+* the chief serves on ``KERASTUNER_ORACLE_PORT`` and the workers connect to it, so the
+  port must be known before any process starts. A port the launcher picks and lets go
+  could be taken before the chief binds it, by another program or by a second `tune` on
+  the same machine (gRPC servers share a port they both bind: ``SO_REUSEPORT``). Without
+  ``port=``, the bootstrap has the chief's gRPC server bind a port the system picks, in
+  the same call, and write it to a file; each worker's gRPC channel to the oracle waits
+  for that file and connects there (`_port_handoff`, through gRPC's public
+  ``grpc.server`` and ``grpc.insecure_channel``).
 
 """
 
@@ -56,6 +64,8 @@ __all__ = ["TuneResult", "is_chief", "is_worker", "tune"]
 log = logging.getLogger("keras_tfr")
 
 _REPORT_ENV = "KERAS_TFR_TUNE_REPORT_DIR"
+_PORT_FILE_ENV = "KERAS_TFR_TUNE_PORT_FILE"
+_PORT_POLL_S = 0.05
 _KILL_GRACE_S = 5.0
 
 
@@ -187,7 +197,10 @@ def tune(
         gpu_memory_mb: GPU memory cap per worker in MB, or None for no cap.
         gpus: GPU ids handed out to the workers round-robin, or None to leave
             ``CUDA_VISIBLE_DEVICES`` as it is.
-        port: the oracle's port on 127.0.0.1; a free one by default.
+        port: the oracle's port on 127.0.0.1. By default the chief's server binds a port
+            the system picks, and the workers learn it from the chief (two searches at
+            once never share a port); ``KERASTUNER_ORACLE_PORT`` then holds a port
+            picked up front, which the processes do not use.
         timeout: seconds for the whole search; then every process is stopped.
         worker_grace: seconds a worker may still run after the chief ended well (code
             after ``search()`` on a worker that asks the finished chief would wait for an
@@ -209,6 +222,7 @@ def tune(
         >>> result.ok, result.trials_completed, result.best_hyperparameters
         (True, 20, {'units': 64, 'batch_size': 256})
     """
+    chief_picks_port = port is None
     script, workers, gpu_memory_mb, gpus, port = _check_tune_args(
         script, workers, gpu_memory_mb, gpus, port, timeout
     )
@@ -230,6 +244,8 @@ def tune(
         PYTHONUNBUFFERED="1",
         **{_REPORT_ENV: report_dir},
     )
+    if chief_picks_port:
+        base_env[_PORT_FILE_ENV] = os.path.join(report_dir, "oracle.port")
     base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = [
         sys.executable,
@@ -255,9 +271,9 @@ def tune(
                 tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd, guard=guard
             )
         log.info(
-            "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%d, logs in %s",
+            "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%s, logs in %s",
             workers,
-            port,
+            "(a port the chief picks)" if chief_picks_port else port,
             log_dir,
         )
         supervise_errors, stopped_after_search = _supervise(children, start, timeout, worker_grace)
@@ -489,6 +505,63 @@ def _write_report(tuner: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _port_handoff(chief: bool) -> None:
+    """Without ``tune(port=...)``: the chief's gRPC server binds a port the system picks
+    and writes it to the file ``KERAS_TFR_TUNE_PORT_FILE`` names; a worker's gRPC channel
+    to the oracle waits for that file and connects to that port. Both replace only the
+    oracle's address (``KERASTUNER_ORACLE_IP:KERASTUNER_ORACLE_PORT``), so other gRPC
+    servers and channels of the script are left alone."""
+    port_file = os.environ.get(_PORT_FILE_ENV)
+    ip = os.environ.get("KERASTUNER_ORACLE_IP")
+    port = os.environ.get("KERASTUNER_ORACLE_PORT")
+    if not (port_file and ip and port):
+        return
+    import grpc  # a requirement of keras-tuner
+
+    oracle = f"{ip}:{port}"
+    if chief:
+        make_server = grpc.server
+
+        def server(*args: Any, **kwargs: Any) -> Any:
+            srv = make_server(*args, **kwargs)
+            add_port = srv.add_insecure_port
+
+            def add_insecure_port(address: str) -> int:
+                if address != oracle:
+                    return int(add_port(address))
+                bound = int(add_port(f"{ip}:0"))
+                if bound:  # older grpc returned 0 on failure; newer raises RuntimeError
+                    with open(port_file + ".tmp", "w", encoding="utf-8") as f:
+                        f.write(str(bound))
+                    os.replace(port_file + ".tmp", port_file)
+                return bound
+
+            srv.add_insecure_port = add_insecure_port
+            return srv
+
+        grpc.server = server
+    else:
+        open_channel = grpc.insecure_channel
+
+        def insecure_channel(target: str, *args: Any, **kwargs: Any) -> Any:
+            if target == oracle:
+                target = f"{ip}:{_wait_for_port(port_file)}"
+            return open_channel(target, *args, **kwargs)
+
+        grpc.insecure_channel = insecure_channel
+
+
+def _wait_for_port(port_file: str) -> int:
+    """The port the chief wrote to ``port_file``, once it has (the launcher stops this
+    worker if the chief fails or the search times out)."""
+    while True:
+        try:
+            with open(port_file, encoding="utf-8") as f:
+                return int(f.read())
+        except FileNotFoundError:
+            time.sleep(_PORT_POLL_S)
+
+
 def _child_main() -> None:
     """Entry point of each process started by `tune`: runs the user's script."""
     import runpy
@@ -500,5 +573,6 @@ def _child_main() -> None:
     from keras_tfr._compat import tuner as compat_tuner  # keras-tuner has no public hooks
 
     compat_tuner.install_child_patches(is_worker, _write_report)
+    _port_handoff(chief=is_chief())
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
