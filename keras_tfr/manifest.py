@@ -45,6 +45,10 @@ field                  meaning
                        permutation `keras_tfr.read.order.Permutation` of ``total_samples``
                        with key ``(shuffle_seed, 3)`` (``from_arrays(..., shuffle_seed=)``);
                        absent: in the order given
+``key_order``          optional, per role whose ``structure`` is ``"dict"``: its names
+                       in the order the writer's first batch gave them, which a source's
+                       dicts keep (as a dict of arrays does in ``fit``); absent (older
+                       data sets): sorted by name. ``features`` stay in key order
 =====================  ================================================================
 
 A manifest may come from an untrusted place: it is parsed as JSON only, shard names must
@@ -58,7 +62,7 @@ import datetime
 import json
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +144,7 @@ class Manifest:
     directory: str = ""
     lattice: Lattice | None = None
     shuffle_seed: int | None = None
+    key_order: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def total_samples(self) -> int:
@@ -185,6 +190,12 @@ class Manifest:
     def features_of(self, role: str) -> list[FeatureSpec]:
         return [f for f in self.features if f.role == role]
 
+    def names_in_order(self, role: str) -> list[str]:
+        """The names of a dict role's features in the order the writer was given them
+        (``key_order``; sorted where the manifest has none)."""
+        names = self.key_order.get(role)
+        return list(names) if names else sorted(f.name for f in self.features_of(role))
+
     def shard_path(self, shard: ShardInfo) -> str:
         return _io.join(self.directory, shard.file)
 
@@ -209,6 +220,8 @@ class Manifest:
             out["user_metadata"] = self.user_metadata
         if self.shuffle_seed is not None:
             out["shuffle_seed"] = self.shuffle_seed
+        if self.key_order:
+            out["key_order"] = {role: list(names) for role, names in self.key_order.items()}
         return out
 
     def save(self, directory: str) -> None:
@@ -463,6 +476,7 @@ class Manifest:
             user_metadata=obj.get("user_metadata") or {},
             lattice=lattice,
             shuffle_seed=obj.get("shuffle_seed"),
+            key_order=_key_order(obj.get("key_order"), structure, features, fail),
         )
         seed = manifest.shuffle_seed
         if seed is not None and (
@@ -481,6 +495,37 @@ class Manifest:
         if not isinstance(manifest.user_metadata, dict):
             raise fail("`user_metadata` must be an object")
         return manifest
+
+
+def _key_order(
+    raw: Any,
+    structure: dict[str, str],
+    features: list[FeatureSpec],
+    fail: Callable[[str], ManifestError],
+) -> dict[str, list[str]]:
+    """The manifest's ``key_order``, checked: for dict roles only, each a permutation of
+    the role's feature names."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise fail(f"`key_order` must be an object, got {raw!r:.80}")
+    out = {}
+    for role, names in raw.items():
+        if structure.get(role) != "dict":
+            raise fail(f"`key_order` names {role!r:.40}, which is not a dict role in `structure`")
+        given = sorted(f.name for f in features if f.role == role)
+        if (
+            not isinstance(names, list)
+            or sorted(map(str, names)) != given
+            or any(not isinstance(n, str) for n in names)
+        ):
+            listed = ", ".join(given[:5]) + (", ..." if len(given) > 5 else "")
+            raise fail(
+                f"`key_order.{role}` must list the names of {role!r}'s features once each "
+                f"({listed}), got {names!r:.80}"
+            )
+        out[role] = list(names)
+    return out
 
 
 def format_bytes(n: float) -> str:

@@ -947,13 +947,21 @@ class TFRecordSequenceSource(tf.data.Dataset):
         structure = self._manifest.structure
         specs = self._specs
 
+        # A dict role's keys in the order the writer was given them (`Manifest.key_order`),
+        # as `fit` keeps a dict of arrays' order.
+        dict_keys = {
+            role: [(name, f"{role}/{name}") for name in self._manifest.names_in_order(role)]
+            for role, kind in structure.items()
+            if kind == "dict"
+        }
+
         def role_value(decoded: dict, role: str) -> Any:
             kind = structure[role]
             role_specs = [s for s in specs if s.role == role]
             if kind == "array":
                 return decoded[role_specs[0].key]
             if kind == "dict":
-                return {s.name: decoded[s.key] for s in role_specs}
+                return {name: decoded[key] for name, key in dict_keys[role]}
             return tuple(decoded[s.key] for s in sorted(role_specs, key=lambda s: int(s.name)))
 
         roles = [r for r in ("x", "y", "sample_weight") if r in structure]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import keras
 import numpy as np
@@ -364,10 +366,11 @@ def test_one_source_as_data_and_validation_data_reads_every_other_epoch(make_dat
             assert np.array_equal(read[k], src.sample_order(e)), (validation, k, e)
 
 
-def test_dict_inputs_come_in_key_order_and_class_weight_needs_number_labels(make_dataset):
-    """README: a dict comes with its keys sorted (a dict of arrays, under TensorFlow,
-    keeps the order it was built in); `class_weight` fails on bool labels, as for any
-    tf.data data set, and works on the same labels as uint8."""
+def test_dict_inputs_keep_the_order_given_and_class_weight_needs_number_labels(make_dataset):
+    """README: a dict comes with its keys in the order the writer was given them, as a
+    dict of arrays under TensorFlow (a data set written before `key_order`: sorted);
+    `class_weight` fails on bool labels, as for any tf.data data set, and works on the
+    same labels as uint8."""
     rng = np.random.default_rng(0)
     x = {"b": rng.random((32, 2)).astype(np.float32), "a": rng.random((32, 3)).astype(np.float32)}
     y = rng.random(32) < 0.5
@@ -384,19 +387,32 @@ def test_dict_inputs_come_in_key_order_and_class_weight_needs_number_labels(make
 
     model = ByPosition()
     model.compile("sgd", "mse")
-    model.predict(x, batch_size=32, verbose=0)
+    from_arrays = model.predict(x, batch_size=32, verbose=0)
     assert seen[-1] == ["b", "a"]  # arrays: as built
-    src = TFRecordSequenceSource(make_dataset(x, y), batch_size=32, shuffle=False)
-    assert list(next(iter(src))[0]) == list(next(src.as_numpy_iterator())[0]) == ["a", "b"]
-    model = ByPosition()
-    model.compile("sgd", "mse")
-    model.predict(src.map(lambda x, y: x), verbose=0)
-    assert seen[-1] == ["a", "b"]  # a source: sorted
+    directory = make_dataset(x, y)
+    for access in ("samples", "blocks"):
+        src = TFRecordSequenceSource(directory, batch_size=32, shuffle=False, access=access)
+        assert list(src.element_spec[0]) == ["b", "a"], access
+        assert list(next(iter(src))[0]) == list(next(src.as_numpy_iterator())[0]) == ["b", "a"]
+        # A model that reads the dict by position sees what it sees with the arrays.
+        np.testing.assert_array_equal(
+            model.predict(src.map(lambda x, y: x), verbose=0), from_arrays
+        )
+        assert seen[-1] == ["b", "a"], access
     a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
     named = keras.Model({"b": b, "a": a}, keras.layers.Dense(1)(keras.layers.concatenate([b, a])))
     np.testing.assert_array_equal(  # a functional model: by name either way
         named.predict(src.map(lambda x, y: x), verbose=0), named.predict(x, verbose=0)
     )
+    # Written before the manifest kept the order: sorted, as then.
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest.pop("key_order") == {"x": ["b", "a"]}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    old = TFRecordSequenceSource(directory, batch_size=32, shuffle=False)
+    assert list(next(iter(old))[0]) == list(next(old.as_numpy_iterator())[0]) == ["a", "b"]
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, "sigmoid")])
     model.compile("sgd", "binary_crossentropy")

@@ -49,6 +49,19 @@ def test_shuffle_seed_round_trips(valid):
     assert m.shuffle_seed == 12 and m.to_json() == obj
 
 
+def test_key_order_round_trips_and_defaults_to_sorted(valid):
+    obj = copy.deepcopy(valid[0])
+    assert obj["key_order"] == {"x": ["a", "b"]}  # as the writer was given them
+    obj["key_order"] = {"x": ["b", "a"]}
+    m = _load(obj)
+    assert m.key_order == {"x": ["b", "a"]} and m.names_in_order("x") == ["b", "a"]
+    assert m.to_json() == obj
+    del obj["key_order"]  # a data set written before the field
+    m = _load(obj)
+    assert m.key_order == {} and m.names_in_order("x") == ["a", "b"]
+    assert "key_order" not in m.to_json()
+
+
 def test_save_is_atomic_and_leaves_no_temporary_file(valid, tmp_path):
     obj, _ = valid
     m = _load(obj)
@@ -121,6 +134,14 @@ def test_shard_paths_cannot_leave_the_directory(valid, name):
         (("shuffle_seed",), True, "shuffle_seed"),
         (("shuffle_seed",), 1.5, "shuffle_seed"),
         (("shuffle_seed",), 1 << 63, "shuffle_seed"),
+        (("key_order",), ["a", "b"], "key_order` must be an object"),
+        (("key_order",), {"y": ["a"]}, "not a dict role"),
+        (("key_order", "x"), ["a"], "key_order.x` must list"),
+        (("key_order", "x"), ["a", "a"], "key_order.x` must list"),
+        (("key_order", "x"), ["a", "c"], "key_order.x` must list"),
+        (("key_order", "x"), ["a", "b", "b"], "key_order.x` must list"),
+        (("key_order", "x"), "ab", "key_order.x` must list"),
+        (("key_order", "x"), ["a", 1], "key_order.x` must list"),
     ],
 )
 def test_each_bad_field_is_refused_and_named(valid, path, value, match):

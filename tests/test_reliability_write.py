@@ -363,22 +363,23 @@ def test_exception_inside_with_leaves_no_manifest(tmp_path, exc, after):
         verify(d)
 
 
+class _Exploding:
+    """An array-like whose slices fail half-way through the conversion (from sample 100)."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+
+    def __getitem__(self, s):
+        if s.start is not None and s.start >= 100:
+            raise OSError("disk went away")
+        return self.a[s]
+
+
 def test_error_while_writing_aborts_and_keeps_completed_shards_for_resume(tmp_path):
-    class Exploding:
-        """An array-like whose slices fail half-way through the conversion."""
-
-        def __init__(self, a):
-            self.a, self.shape, self.dtype = a, a.shape, a.dtype
-
-        def __getitem__(self, s):
-            if s.start is not None and s.start >= 100:
-                raise OSError("disk went away")
-            return self.a[s]
-
     d = str(tmp_path / "ds")
     x, y = _data()
     with pytest.raises(OSError, match="disk went away"):
-        ArraysToRecords.from_arrays(Exploding(x), y, d, chunk_size=200, **LAYOUT)
+        ArraysToRecords.from_arrays(_Exploding(x), y, d, chunk_size=200, **LAYOUT)
     assert not os.path.exists(os.path.join(d, MANIFEST_NAME))
     with pytest.raises(IncompleteDatasetError, match="resume=True"):
         TFRecordSequenceSource(d, batch_size=8)
@@ -386,6 +387,35 @@ def test_error_while_writing_aborts_and_keeps_completed_shards_for_resume(tmp_pa
     ref = str(tmp_path / "ref")
     ArraysToRecords.from_arrays(x, y, ref, **LAYOUT)
     _assert_same_dataset(d, ref)
+
+
+def test_the_key_order_of_the_first_batch_is_kept_by_later_batches_and_a_resume(tmp_path):
+    """A dict's keys come back in the order the first batch gave them (`key_order`), what
+    later batches and a resumed conversion give them in."""
+
+    x, y = _data()
+    d = str(tmp_path / "ds")
+    with pytest.raises(OSError, match="disk went away"):
+        ArraysToRecords.from_arrays(
+            {"z": _Exploding(x), "a": x[:, :1]}, y, d, chunk_size=200, **LAYOUT
+        )
+    assert json.loads(Path(d, PROGRESS_NAME).read_text())["config"]["key_order"] == {
+        "x": ["z", "a"]
+    }
+    ArraysToRecords.from_arrays({"a": x[:, :1], "z": x}, y, d, resume=True, **LAYOUT)
+    src = TFRecordSequenceSource(d, batch_size=8, shuffle=False)
+    assert list(src.element_spec[0]) == ["z", "a"]
+    first = next(src.as_numpy_iterator())[0]
+    assert list(first) == ["z", "a"]
+    np.testing.assert_array_equal(first["z"], x[:8])
+
+    d2 = str(tmp_path / "incremental")
+    with ArraysToRecords(d2, **LAYOUT) as writer:
+        writer.write({"z": x[:50], "a": x[:50, :1]}, y[:50])
+        writer.write({"a": x[50:, :1], "z": x[50:]}, y[50:])
+    assert Manifest.load(d2).key_order == {"x": ["z", "a"]}
+    src = TFRecordSequenceSource(d2, batch_size=8, shuffle=False)
+    assert list(next(iter(src))[0]) == ["z", "a"]
 
 
 # ------------------------------------------------------------------ existing data, overwrite

@@ -74,7 +74,7 @@ def _flatten(
         if not value:
             raise ValueError(f"Expected `{role}` to be a non-empty dict of arrays. Received: {{}}")
         items = []
-        for k in sorted(value, key=str):
+        for k in value:  # the order given: the data set keeps it (`Batch.key_order`)
             if not isinstance(k, str) or not k or "/" in k or "\x00" in k or len(k) > 255:
                 raise ValueError(
                     f"Expected the keys of `{role}` to be non-empty strings without '/'. "
@@ -252,12 +252,21 @@ def mean_sample_bytes(spec: FeatureSpec, array: Any) -> float:
 
 
 class Batch:
-    """One validated `write` call: specs in key order, their arrays and the sample count."""
+    """One validated `write` call: specs in key order, their arrays and the sample count;
+    ``key_order`` holds, per role given as a dict, its names in the order the dict gave
+    them (what a source's dicts keep)."""
 
-    def __init__(self, structure: dict[str, str], specs: list[FeatureSpec], arrays: list[Any]):
+    def __init__(
+        self,
+        structure: dict[str, str],
+        specs: list[FeatureSpec],
+        arrays: list[Any],
+        key_order: dict[str, list[str]] | None = None,
+    ):
         self.structure = structure
         self.specs = specs
         self.arrays = arrays
+        self.key_order = key_order or {}
         self.n = int(arrays[0].shape[0])
 
 
@@ -277,19 +286,22 @@ def validate_batch(x: Any, y: Any, sample_weight: Any, variable: frozenset = fro
     structure: dict[str, str] = {}
     specs: list[FeatureSpec] = []
     arrays: list[Any] = []
+    key_order: dict[str, list[str]] = {}
     for role, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         flat = _flatten(role, value, variable)
         if flat is None:
             continue
         kind, items = flat
         structure[role] = kind
+        if kind == "dict":
+            key_order[role] = [name for name, _ in items]
         for name, arr in items:
             argument = role if kind == "array" else f"{role}[{name!r}]"
             specs.append(FeatureSpec.from_array(role, name, arr, argument=argument))
             arrays.append(arr)
     _check_lengths(specs, arrays)
     order = sorted(range(len(specs)), key=lambda i: specs[i].key)
-    return Batch(structure, [specs[i] for i in order], [arrays[i] for i in order])
+    return Batch(structure, [specs[i] for i in order], [arrays[i] for i in order], key_order)
 
 
 def _check_lengths(specs: list[FeatureSpec], arrays: list[Any]) -> None:

@@ -163,6 +163,7 @@ def load_journal(directory: str, path: str, shuffle_seed: int | None) -> Directo
         compression=probe.compression,
         lattice=probe.lattice,
         shuffle_seed=probe.shuffle_seed,
+        key_order=probe.key_order,
     )
     log.info(
         "keras-tfr: resuming %s after %d complete shards (%d samples)",

@@ -18,7 +18,8 @@ from keras_tfr.write.options import WriteOptions
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The data set's structure, features (in key order), and record and shard sizes."""
+    """The data set's structure, features (in key order), and record and shard sizes;
+    ``key_order``: per dict role, its names in the order the first batch gave them."""
 
     structure: dict[str, str]
     specs: list[FeatureSpec]
@@ -28,6 +29,7 @@ class Layout:
     compression: str | None
     lattice: Lattice | None = None
     shuffle_seed: int | None = None  # the samples' write order (`WriteOptions.shuffle_seed`)
+    key_order: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def config(self) -> dict[str, Any]:
         """The fields the manifest and the journal share."""
@@ -39,6 +41,7 @@ class Layout:
             **({"lattice": self.lattice.to_json()} if self.lattice is not None else {}),
             "compression": self.compression,
             **({"shuffle_seed": self.shuffle_seed} if self.shuffle_seed is not None else {}),
+            **({"key_order": self.key_order} if self.key_order else {}),
         }
 
 
@@ -102,6 +105,7 @@ def plan_layout(batch: Batch, options: WriteOptions) -> Layout:
         compression=options.compression,
         lattice=lattice,
         shuffle_seed=options.shuffle_seed,
+        key_order={role: list(names) for role, names in batch.key_order.items()},
     )
 
 

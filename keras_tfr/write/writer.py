@@ -186,6 +186,7 @@ class RecordWriter:
             compression=layout.compression,
             lattice=layout.lattice,
             shuffle_seed=layout.shuffle_seed,
+            key_order={role: list(names) for role, names in layout.key_order.items()},
             shards=list(self._files.shards),
             writer_version=__version__,
             user_metadata=dict(self.options.metadata or {}),
@@ -456,7 +457,7 @@ def _write_shuffled(writer: RecordWriter, batch: Batch, start: int, options: Wri
     for lo in range(start, batch.n, step):
         ids = order(np.arange(lo, min(lo + step, batch.n), dtype=np.int64))
         arrays = [inputs.take_rows(a, ids) for a in batch.arrays]
-        writer._write_validated(Batch(batch.structure, batch.specs, arrays), 0)
+        writer._write_validated(Batch(batch.structure, batch.specs, arrays, batch.key_order), 0)
 
 
 def _write_iterable(
