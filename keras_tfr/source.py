@@ -1131,6 +1131,14 @@ _READ_IN_PYTHON = (
     "memory-mapped reader; it cannot also be read inside a tf.function, which needs "
     "tf.data's iterator. Make a new one with iter(source) for the tf.function."
 )
+_FORKED = (
+    "This iterator over {directory} was started in process {parent} and is read in "
+    "process {child}, a child forked from it: TensorFlow's iterator does not survive a "
+    "fork (its threads stay in the parent): read on, it would wait for ever once the "
+    "batches it had read ahead ran out. Make a "
+    "new iterator in the child (iter(source)); in sample mode, a Python loop over "
+    "source.as_numpy_iterator() started before the fork can also go on in the child."
+)
 
 
 class _Iterator(OwnedIterator):
@@ -1151,6 +1159,7 @@ class _Iterator(OwnedIterator):
     """
 
     _resource: Any = None  # TensorFlow's iterator resource, once made
+    _pid = 0  # the process that made it
 
     def __init__(self, source: TFRecordSequenceSource):
         self._clock = source._clock
@@ -1188,6 +1197,7 @@ class _Iterator(OwnedIterator):
                     dataset = self._source._resumed(self._clock.next_step)
                     with tf.init_scope():  # an eager resource, even when a tf.function asks
                         self._create_iterator(dataset)
+                    self._pid = os.getpid()
                     self._ready = True
         return self._resource
 
@@ -1210,6 +1220,12 @@ class _Iterator(OwnedIterator):
         if self._in_python():
             return self._next_python()
         _ = self._iterator_resource  # made first: it sets what `_next_internal` reads with
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                _FORKED.format(
+                    directory=self._source._cfg.directory, parent=self._pid, child=os.getpid()
+                )
+            )
         return super()._next_internal()
 
     def _serialize_to_tensors(self) -> Any:
