@@ -40,7 +40,7 @@ How:
   DLPack, aliasing the mapped pages (no copy). Python runs once per unit (8,192 samples
   or more, ``readers`` at a time): order, checks, row numbers; TensorFlow then gathers
   each batch with `tf.gather` in its own threads, as Keras does for in-memory arrays
-  (several batches at once below 4 MB a batch, one at a time from 4 MB up).
+  (one batch at a time, in a plain ``map`` the prefetch reads).
 * **Hand-off to tf.data otherwise** (`dataset`, data sets written before the lattice or
   with ``lattice=False``). Each unit is one Python call in a parallel ``map``
   (``readers`` at a time, in TensorFlow's threads), gathered into recycled
