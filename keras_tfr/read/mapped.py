@@ -1568,6 +1568,6 @@ def lattice_dataset(
     # `tf.gather` still spreads its copy over TensorFlow's threads), not several at once: in
     # `fit` that leaves the model's step more of the CPU than gathers in parallel. On
     # 12.5 MB batches `fit` ran 15-20 % faster so (2026-12-04); on 0.8 MB batches 2.4 %
-    # faster (120 paired rounds, interval 1.002x-1.047x) with less CPU per epoch, where
-    # an eager loop over tf.data's iterator reads about 4 % slower (docs/benchmarks.md).
+    # faster (120 paired rounds, interval 1.002x-1.047x) with less CPU per epoch; an eager
+    # loop over tf.data's iterator read 0.90x-1.06x as fast, within noise (docs/benchmarks.md).
     return tf.data.Dataset.zip((batches, views)).map(gather)
