@@ -949,8 +949,9 @@ class TFRecordSequenceSource(tf.data.Dataset):
 
         # A dict role's keys in the order the writer was given them (`Manifest.key_order`),
         # as `fit` keeps a dict of arrays' order.
+        keys = {(s.role, s.name): s.key for s in specs}
         dict_keys = {
-            role: [(name, f"{role}/{name}") for name in self._manifest.names_in_order(role)]
+            role: [(name, keys[role, name]) for name in self._manifest.names_in_order(role)]
             for role, kind in structure.items()
             if kind == "dict"
         }
@@ -1139,6 +1140,11 @@ _FORKED = (
     "new iterator in the child (iter(source)); in sample mode, a Python loop over "
     "source.as_numpy_iterator() started before the fork can also go on in the child."
 )
+# This process's id, kept up to date in forked children: what `_Iterator` compares with
+# the process that made its TensorFlow iterator, without a system call per batch.
+_process = [os.getpid()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _process.__setitem__(0, os.getpid()))
 
 
 class _Iterator(OwnedIterator):
@@ -1197,7 +1203,7 @@ class _Iterator(OwnedIterator):
                     dataset = self._source._resumed(self._clock.next_step)
                     with tf.init_scope():  # an eager resource, even when a tf.function asks
                         self._create_iterator(dataset)
-                    self._pid = os.getpid()
+                    self._pid = _process[0]
                     self._ready = True
         return self._resource
 
@@ -1220,10 +1226,10 @@ class _Iterator(OwnedIterator):
         if self._in_python():
             return self._next_python()
         _ = self._iterator_resource  # made first: it sets what `_next_internal` reads with
-        if self._pid != os.getpid():
+        if self._pid != _process[0]:
             raise RuntimeError(
                 _FORKED.format(
-                    directory=self._source._cfg.directory, parent=self._pid, child=os.getpid()
+                    directory=self._source._cfg.directory, parent=self._pid, child=_process[0]
                 )
             )
         return super()._next_internal()
