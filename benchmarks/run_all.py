@@ -40,6 +40,14 @@ Fit benchmark: the same pipelines into ``model.fit`` (Flatten + Dense 10), again
 ``keras.utils.PyDataset`` with ``workers=4``). Every row also gives the CPU-seconds the
 process spent per GB delivered (``time.process_time``, all threads).
 
+Paired fit benchmark (``paired``, shapes ``small`` and ``large``): on a shared VM a
+process's speed moves by 10-20 % within minutes, more than the few percent between
+keras-tfr, in-memory NumPy and memmap + ``PyDataset`` in ``fit``. So one process fits one
+model one epoch at a time on each of the three in turn (`fit_paired.paired_epochs`, the
+order flipped each round, the first round a warm-up), and the report gives, per round, the
+ratio of keras-tfr's epoch to the other two's in that round: the median of the ratios
+and its 95 % bootstrap interval (``--paired-rounds``, 10 by default).
+
 Usage::
 
     python benchmarks/run_all.py            # full sizes (a few minutes on 2 cores)
@@ -78,6 +86,11 @@ PEER_THREADS = 4
 # The rss group also reads in windows of this size (`shuffle_window`, what "auto" does for
 # data larger than half of memory): the mapped pages it keeps do not grow with the data.
 RSS_WINDOW = "128MB"
+
+# Rounds of the paired group (`work_paired`): one epoch of each of its pipelines per round.
+PAIRED_ROUNDS = 10
+PAIRED_SHAPES = ("small", "large")  # Flatten + Dense(10), the model of `fit_paired`
+PAIRED_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset"]
 
 READ_PIPELINES = [
     "keras-tfr",
@@ -529,24 +542,7 @@ def work_fit(
     elif pipeline == "memmap-pydataset":
         _warm(p["base"])
         n = int(np.load(p["y"], mmap_mode="r").shape[0])
-
-        class MemmapBatches(keras.utils.PyDataset):
-            def __init__(self):
-                super().__init__(workers=PEER_THREADS, use_multiprocessing=False)
-                self.epoch = 0
-                self.batch, self.steps = _memmap_batches(p, 0)
-
-            def __len__(self):
-                return self.steps
-
-            def __getitem__(self, i):
-                return self.batch(i)
-
-            def on_epoch_end(self):
-                self.epoch += 1
-                self.batch, self.steps = _memmap_batches(p, self.epoch)
-
-        model.fit(MemmapBatches(), epochs=FIT_EPOCHS, verbose=0, callbacks=[timer])
+        model.fit(_memmap_pydataset(p), epochs=FIT_EPOCHS, verbose=0, callbacks=[timer])
     else:
         ds = (reader or _tf_read_pipeline)(p, pipeline, shape)
         n = int(np.load(p["y"], mmap_mode="r").shape[0])
@@ -559,6 +555,78 @@ def work_fit(
         "examples": n,
         "first_epoch_seconds": timer.times[0],
     }
+
+
+def _memmap_pydataset(p: dict[str, str]) -> Any:
+    """The peer as a ``keras.utils.PyDataset`` (``workers=4``, threads): `_memmap_batches`,
+    a new permutation each epoch."""
+    import keras
+
+    class MemmapBatches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=PEER_THREADS, use_multiprocessing=False)
+            self.epoch = 0
+            self.batch, self.steps = _memmap_batches(p, 0)
+
+        def __len__(self):
+            return self.steps
+
+        def __getitem__(self, i):
+            return self.batch(i)
+
+        def on_epoch_end(self):
+            self.epoch += 1
+            self.batch, self.steps = _memmap_batches(p, self.epoch)
+
+    return MemmapBatches()
+
+
+def work_paired(p: dict[str, str], shape: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """`fit_paired.paired_epochs` over keras-tfr and memmap + ``PyDataset`` beside
+    in-memory NumPy: per pipeline, the wall and CPU seconds of each kept epoch."""
+    from fit_paired import paired_epochs  # benchmarks/fit_paired.py
+
+    _warm(p["ktfr"])
+    _warm(p["base"])
+    x, y = _load_xy(p, in_memory=True)
+    sources = {
+        "keras-tfr": _tf_read_pipeline(p, "keras-tfr", shape),
+        "memmap-pydataset": _memmap_pydataset(p),
+    }
+    return {"examples": int(y.shape[0]), "epochs": paired_epochs(x, y, sources, rounds)}
+
+
+def paired_rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The paired group's rows from `work_paired`'s result: per pipeline its median epoch
+    (wall and CPU seconds) and, on keras-tfr's row (``"vs"``), for each other pipeline the
+    per-round ratios of rates (keras-tfr's over the other's, same round), their median and
+    its 95 % bootstrap interval (`fit_paired.median_interval`)."""
+    import statistics
+
+    from fit_paired import median_interval
+
+    if "epochs" not in res:
+        return {p: res for p in PAIRED_PIPELINES}
+    epochs, n = res["epochs"], res["examples"]
+    rows = {
+        p: {
+            "seconds": statistics.median(e["wall"]),
+            "cpu_seconds": statistics.median(e["cpu"]),
+            "examples": n,
+            "round_seconds": e["wall"],
+        }
+        for p, e in epochs.items()
+    }
+    ours = epochs["keras-tfr"]["wall"]
+    vs = {}
+    for p, e in epochs.items():
+        if p == "keras-tfr":
+            continue
+        ratios = [theirs / mine for mine, theirs in zip(ours, e["wall"])]
+        lo, hi = median_interval(ratios)
+        vs[p] = {"median": statistics.median(ratios), "interval": [lo, hi], "ratios": ratios}
+    rows["keras-tfr"]["vs"] = vs
+    return rows
 
 
 class _PrivatePeak:
@@ -661,6 +729,8 @@ def worker_main(argv: list[str]) -> None:
         result = work_read(p, spec["pipeline"], shape)
     elif kind == "fit":
         result = work_fit(p, spec["pipeline"], shape)
+    elif kind == "paired":
+        result = work_paired(p, shape, spec["rounds"])
     else:
         raise ValueError(kind)
     result["peak_rss_mb"] = _maxrss_mb()
@@ -744,7 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a quarter of the samples")
     parser.add_argument("--data-dir", default=None, help="scratch directory (default: a tmp dir)")
     parser.add_argument("--out", default=RESULTS, help="where results.json / .png / .md go")
-    parser.add_argument("--only", default="read,fit,write,rss", help="comma-separated groups")
+    parser.add_argument(
+        "--only", default="read,fit,paired,write,rss", help="comma-separated groups"
+    )
     parser.add_argument("--shapes", default="small,large")
     parser.add_argument("--keep-data", action="store_true")
     parser.add_argument(
@@ -761,7 +833,15 @@ def main(argv: list[str] | None = None) -> int:
         "and report each one's median round: a machine whose speed drifts then slows every "
         "pipeline alike",
     )
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=PAIRED_ROUNDS,
+        help="rounds of the paired group: one epoch of each of its pipelines per round",
+    )
     args = parser.parse_args(argv)
+    if args.paired_rounds < 1:
+        parser.error(f"--paired-rounds must be at least 1, got {args.paired_rounds}")
     groups = set(args.only.split(","))
     wanted = set(args.pipelines.split(",")) if args.pipelines else None
     unknown = sorted((wanted or set()) - set(READ_PIPELINES) - set(FIT_PIPELINES))
@@ -817,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
             base = {"data": data, "shape_name": shape_name, "shape": list(shape)}
             log(f"generating {shape_name}: {n} x {shape} float32")
             run_worker({**base, "kind": "gen", "samples": n})
+            paired = "paired" in groups and shape_name in PAIRED_SHAPES
             chosen = {
                 group: [p for p in pipelines if wanted is None or p in wanted]
                 for group, pipelines in (("read", READ_PIPELINES), ("fit", FIT_PIPELINES))
@@ -828,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
                     add("write", shape_name, pipeline, run_worker(spec))
             else:  # only the data the chosen pipelines read, once, untimed
                 read = {p for ps in chosen.values() for p in ps}
+                if paired:
+                    read.add("keras-tfr")
                 for pipeline, readers in _DATA_READ_BY.items():
                     if read & readers:
                         spec = {**base, "kind": "write", "pipeline": pipeline, "repeats": 1}
@@ -846,6 +929,11 @@ def main(argv: list[str] | None = None) -> int:
                         runs[pipeline].append(run_worker(spec))
                 for pipeline in pipelines:
                     add(group, shape_name, pipeline, _median_round(runs[pipeline]))
+            if paired:
+                spec = {**base, "kind": "paired", "rounds": args.paired_rounds}
+                res = run_worker(spec, timeout=600 + 120 * args.paired_rounds)
+                for pipeline, row in paired_rows(res).items():
+                    add("paired", shape_name, pipeline, row)
             if not args.keep_data:
                 p = _paths(data, shape_name)
                 for key in ("tutorial", "raw", "arrayrecord", "tfsave", "npsave"):
