@@ -46,7 +46,7 @@ keras-tfr, in-memory NumPy and memmap + ``PyDataset`` in ``fit``. So one process
 model one epoch at a time on each of the three in turn (`fit_paired.paired_epochs`, the
 order flipped each round, the first round a warm-up), and the report gives, per round, the
 ratio of keras-tfr's epoch to the other two's in that round: the median of the ratios
-and its 95 % bootstrap interval (``--paired-rounds``, 10 by default).
+and its 95 % bootstrap interval (``--paired-rounds``, 20 by default).
 
 Usage::
 
@@ -88,7 +88,7 @@ PEER_THREADS = 4
 RSS_WINDOW = "128MB"
 
 # Rounds of the paired group (`work_paired`): one epoch of each of its pipelines per round.
-PAIRED_ROUNDS = 10
+PAIRED_ROUNDS = 20
 PAIRED_SHAPES = ("small", "large")  # Flatten + Dense(10), the model of `fit_paired`
 PAIRED_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset"]
 
