@@ -85,3 +85,13 @@ def fraction(name: str, value: Any) -> float:
             f"Expected `{name}` to be between 0 and 1 (exclusive). Received: {value!r}"
         )
     return float(value)
+
+
+def brief(value: Any) -> str:
+    """A value for an error message: an array by its shape and dtype (its repr can run
+    to thousands of lines), anything else by its repr, cut at 200 characters."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -224,6 +224,41 @@ def test_empty_input_is_refused(tmp_path, x, match):
     assert not os.path.exists(d)
 
 
+@pytest.mark.parametrize("as_path", [str, Path])
+def test_the_directory_given_first_to_from_arrays_is_named(tmp_path, as_path):
+    """``from_arrays(directory, x, y)``, the constructor's order: the path would be
+    taken as `x` and the labels as `directory`. Refused before anything is written,
+    naming the order and the path, not printing the labels."""
+    d = tmp_path / "ds"
+    x, y = np.zeros((1000, 3), np.float32), np.repeat(np.arange(10), 100)
+    with pytest.raises(TypeError, match=r"arrays first: ArraysToRecords.from_arrays\(x, y, ") as e:
+        ArraysToRecords.from_arrays(as_path(d), x, y, verbose=0)
+    assert repr(str(d)) in str(e.value)
+    assert not d.exists()
+
+
+def test_a_directory_that_is_not_a_path_is_shown_by_shape_not_by_value(tmp_path):
+    """An array where the directory goes: the error gives its shape and dtype (its repr
+    ran to 46 lines for 1,000 labels), for the writer and for the source alike."""
+    labels = np.repeat(np.arange(10), 100)
+    expected = "Received: ndarray of shape (1000,) and dtype int64"
+    with pytest.raises(TypeError, match="Expected `directory`") as e:
+        ArraysToRecords.from_arrays(np.zeros((1000, 3), np.float32), directory=labels)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="Expected `directory`") as e:
+        ArraysToRecords(labels)
+    assert expected in str(e.value)
+    with pytest.raises(TypeError, match="Expected `directory`") as e:
+        TFRecordSequenceSource(labels)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="Received: 3"):
+        TFRecordSequenceSource(3)
+    long = "x" * 500
+    with pytest.raises(TypeError) as e:
+        ArraysToRecords([long])
+    assert len(str(e.value)) < 300 and str(e.value).endswith("...")
+
+
 def test_empty_iterable_or_no_write_leaves_no_dataset(tmp_path):
     d = str(tmp_path / "ds")
     with pytest.raises(ValueError, match="No samples were written"):

@@ -61,7 +61,8 @@ class SourceOptions:
 
         if not isinstance(self.directory, (str, os.PathLike)):
             raise TypeError(
-                f"Expected `directory` to be a path or URL. Received: {self.directory!r}"
+                "Expected `directory` to be a path or URL. Received: "
+                + _checks.brief(self.directory)
             )
         directory = os.fspath(self.directory)
         if "://" not in directory:

@@ -180,6 +180,15 @@ class ArraysToRecords(RecordWriter, keras.callbacks.Callback):
             >>> x = np.load("x.npy", mmap_mode="r"); y = np.load("y.npy", mmap_mode="r")
             >>> ArraysToRecords.from_arrays(x, y, "data/train")
         """
+        if isinstance(x, (str, bytes, os.PathLike)):
+            # `ArraysToRecords(directory)` takes the path first, `from_arrays` last: taken
+            # as given, the path was `x` and the targets `directory`, and the error named
+            # `directory` with the repr of every label.
+            raise TypeError(
+                "Expected the arrays first: ArraysToRecords.from_arrays(x, y, directory), "
+                "the directory last (ArraysToRecords(directory) takes it first). Received "
+                f"a path as `x`: {os.fsdecode(x)!r}"
+            )
         if directory is None and isinstance(y, (str, os.PathLike)):
             directory, y = y, None
         if directory is None:

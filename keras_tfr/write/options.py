@@ -30,7 +30,9 @@ def check_directory(directory: Any) -> str:
     """A data set's directory (a path or URL) as a string; a local path's ``~`` expanded
     (a directory named ``~`` in the working directory is never what was meant)."""
     if not isinstance(directory, (str, os.PathLike)) or not str(directory):
-        raise TypeError(f"Expected `directory` to be a path or URL string. Received: {directory!r}")
+        raise TypeError(
+            f"Expected `directory` to be a path or URL string. Received: {_checks.brief(directory)}"
+        )
     path = _io.expand_user(os.fspath(directory))
     if _io.is_remote(path):
         return path
