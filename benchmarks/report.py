@@ -104,17 +104,19 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": None if ratio is None else ratio >= minimum,
             }
         )
-    for r in rows:  # the paired group: per-round ratios in one process (run_all.paired_rows)
-        if r["group"] != "paired" or r["pipeline"] != "keras-tfr":
+    for r in rows:  # the paired groups: per-round ratios in one process (run_all.paired_rows)
+        what = {"paired": "fit", "paired-read": "read"}.get(r["group"])
+        if what is None:
             continue
+        name = "" if r["pipeline"] == "keras-tfr" else f", {_label(r['pipeline'])},"
         for den, vs in r.get("vs", {}).items():
             lo, hi = vs["interval"]
             out.append(
                 {
                     "target": (
-                        f"fit {r['shape']} >= {_label(den)}, epochs alternated in one process "
-                        f"(median of {len(vs['ratios'])} rounds' ratios; 95 % interval "
-                        f"{lo:.3f}x-{hi:.3f}x)"
+                        f"{what} {r['shape']}{name} >= {_label(den)}, epochs alternated in "
+                        f"one process (median of {len(vs['ratios'])} rounds' ratios; 95 % "
+                        f"interval {lo:.3f}x-{hi:.3f}x)"
                     ),
                     "ratio": vs["median"],
                     "minimum": 1.0,

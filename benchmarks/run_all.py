@@ -40,13 +40,16 @@ Fit benchmark: the same pipelines into ``model.fit`` (Flatten + Dense 10), again
 ``keras.utils.PyDataset`` with ``workers=4``). Every row also gives the CPU-seconds the
 process spent per GB delivered (``time.process_time``, all threads).
 
-Paired fit benchmark (``paired``, shapes ``small`` and ``large``): on a shared VM a
+Paired benchmarks (``--only paired``, shapes ``small`` and ``large``): on a shared VM a
 process's speed moves by 10-20 % within minutes, more than the few percent between
 keras-tfr, in-memory NumPy and memmap + ``PyDataset`` in ``fit``. So one process fits one
-model one epoch at a time on each of the three in turn (`fit_paired.paired_epochs`, the
-order flipped each round, the first round a warm-up), and the report gives, per round, the
-ratio of keras-tfr's epoch to the other two's in that round: the median of the ratios
-and its 95 % bootstrap interval (``--paired-rounds``, 20 by default).
+model one epoch at a time on each of the three in turn (group ``paired``:
+`fit_paired.paired_epochs`, the order flipped each round, the first round a warm-up), and
+another reads an epoch at a time of keras-tfr in a Python loop, of its
+``as_numpy_iterator()`` and of memmap + threads (group ``paired-read``: `paired_reads`).
+The report gives, per round, the ratio of keras-tfr's epoch to the others' in that
+round: the median of the ratios and its 95 % bootstrap interval (``--paired-rounds``, 20
+by default).
 
 Usage::
 
@@ -596,17 +599,79 @@ def work_paired(p: dict[str, str], shape: tuple[int, ...], rounds: int) -> dict[
     return {"examples": int(y.shape[0]), "epochs": paired_epochs(x, y, sources, rounds)}
 
 
-def paired_rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The paired group's rows from `work_paired`'s result: per pipeline its median epoch
-    (wall and CPU seconds) and, on keras-tfr's row (``"vs"``), for each other pipeline the
-    per-round ratios of rates (keras-tfr's over the other's, same round), their median and
-    its 95 % bootstrap interval (`fit_paired.median_interval`)."""
+def work_paired_read(p: dict[str, str], shape: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """The read group's keras-tfr (a Python loop), keras-tfr `as_numpy_iterator()` and
+    memmap + threads, one epoch of each in turn in one process (`paired_reads`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = _tf_read_pipeline(p, "keras-tfr", shape)  # warms the shards
+    _warm(p["base"])
+    n = int(np.load(p["y"], mmap_mode="r").shape[0])
+    with ThreadPoolExecutor(PEER_THREADS) as pool:
+
+        def memmap(epoch: int) -> int:
+            batch, steps = _memmap_batches(p, epoch)
+            return sum(int(b[0].shape[0]) for b in pool.map(batch, range(steps)))
+
+        epochs = paired_reads(
+            {
+                "keras-tfr": lambda _: sum(int(b[0].shape[0]) for b in src),
+                "keras-tfr-numpy": lambda _: sum(
+                    int(b[0].shape[0]) for b in src.as_numpy_iterator()
+                ),
+                "memmap-threads": memmap,
+            },
+            rounds,
+            n,
+        )
+    return {"examples": n, "epochs": epochs}
+
+
+def paired_reads(epoch_of: dict[str, Any], rounds: int, examples: int) -> dict[str, Any]:
+    """Per pipeline of ``epoch_of`` (a name -> a function that reads epoch ``r`` and
+    returns the examples read), the wall and CPU seconds of one epoch per round, the
+    pipelines in turn (the order flips each round; round 0 warms up and is not kept), as
+    `fit_paired.paired_epochs` does for `fit`. Raises if an epoch reads another count."""
+    names = list(epoch_of)
+    out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            count = epoch_of[name](r)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if count != examples:
+                raise RuntimeError(f"{name} read {count} examples in epoch {r}, not {examples}")
+            if r:
+                out[name]["wall"].append(wall)
+                out[name]["cpu"].append(cpu)
+    return out
+
+
+# Per paired group: its pipelines, keras-tfr's among them (whose rows hold the per-round
+# ratios) and the others they are compared with.
+PAIRED_GROUPS = {
+    "paired": (PAIRED_PIPELINES, ["keras-tfr"], ["numpy", "memmap-pydataset"]),
+    "paired-read": (
+        ["keras-tfr", "keras-tfr-numpy", "memmap-threads"],
+        ["keras-tfr", "keras-tfr-numpy"],
+        ["memmap-threads"],
+    ),
+}
+
+
+def paired_rows(res: dict[str, Any], group: str = "paired") -> dict[str, dict[str, Any]]:
+    """A paired group's rows from `work_paired`'s or `work_paired_read`'s result: per
+    pipeline its median epoch (wall and CPU seconds) and, on each keras-tfr row
+    (``"vs"``), for each pipeline it is compared with the per-round ratios of rates
+    (keras-tfr's over the other's, same round), their median and its 95 % bootstrap
+    interval (`fit_paired.median_interval`)."""
     import statistics
 
     from fit_paired import median_interval
 
+    pipelines, ours, others = PAIRED_GROUPS[group]
     if "epochs" not in res:
-        return {p: res for p in PAIRED_PIPELINES}
+        return {p: res for p in pipelines}
     epochs, n = res["epochs"], res["examples"]
     rows = {
         p: {
@@ -617,15 +682,14 @@ def paired_rows(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
         }
         for p, e in epochs.items()
     }
-    ours = epochs["keras-tfr"]["wall"]
-    vs = {}
-    for p, e in epochs.items():
-        if p == "keras-tfr":
-            continue
-        ratios = [theirs / mine for mine, theirs in zip(ours, e["wall"])]
-        lo, hi = median_interval(ratios)
-        vs[p] = {"median": statistics.median(ratios), "interval": [lo, hi], "ratios": ratios}
-    rows["keras-tfr"]["vs"] = vs
+    for mine in ours:
+        vs = {}
+        for p in others:
+            walls = zip(epochs[mine]["wall"], epochs[p]["wall"])
+            ratios = [theirs / own for own, theirs in walls]
+            lo, hi = median_interval(ratios)
+            vs[p] = {"median": statistics.median(ratios), "interval": [lo, hi], "ratios": ratios}
+        rows[mine]["vs"] = vs
     return rows
 
 
@@ -731,6 +795,8 @@ def worker_main(argv: list[str]) -> None:
         result = work_fit(p, spec["pipeline"], shape)
     elif kind == "paired":
         result = work_paired(p, shape, spec["rounds"])
+    elif kind == "paired-read":
+        result = work_paired_read(p, shape, spec["rounds"])
     else:
         raise ValueError(kind)
     result["peak_rss_mb"] = _maxrss_mb()
@@ -929,11 +995,11 @@ def main(argv: list[str] | None = None) -> int:
                         runs[pipeline].append(run_worker(spec))
                 for pipeline in pipelines:
                     add(group, shape_name, pipeline, _median_round(runs[pipeline]))
-            if paired:
-                spec = {**base, "kind": "paired", "rounds": args.paired_rounds}
+            for kind in PAIRED_GROUPS if paired else ():
+                spec = {**base, "kind": kind, "rounds": args.paired_rounds}
                 res = run_worker(spec, timeout=600 + 120 * args.paired_rounds)
-                for pipeline, row in paired_rows(res).items():
-                    add("paired", shape_name, pipeline, row)
+                for pipeline, row in paired_rows(res, kind).items():
+                    add(kind, shape_name, pipeline, row)
             if not args.keep_data:
                 p = _paths(data, shape_name)
                 for key in ("tutorial", "raw", "arrayrecord", "tfsave", "npsave"):

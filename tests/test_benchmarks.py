@@ -259,9 +259,11 @@ def test_unknown_pipelines_are_refused_before_any_work(tmp_path):
 @pytest.mark.subprocess
 def test_paired_group_gives_each_rounds_ratio_and_an_interval(tmp_path):
     """``--only paired``: one process fits keras-tfr, in-memory NumPy and memmap +
-    PyDataset an epoch each per round; keras-tfr's row holds, per other pipeline, the
-    ratio of each round (its epoch time over keras-tfr's), their median and an interval
-    around it, and the targets say whether the median reaches 1.0."""
+    PyDataset an epoch each per round (``paired``), another reads keras-tfr in a loop and
+    through `as_numpy_iterator()` and memmap + threads (``paired-read``); each keras-tfr
+    row holds, per pipeline it is compared with, each round's ratio (the other's epoch
+    time over keras-tfr's), their median and an interval around it, and the targets say
+    whether the median reaches 1.0."""
     out, data = tmp_path / "results", tmp_path / "data"
     proc = _run(
         "--quick", "--only", "paired", "--shapes", "small", "--paired-rounds", "3",
@@ -269,27 +271,41 @@ def test_paired_group_gives_each_rounds_ratio_and_an_interval(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     results = json.loads((out / "results.json").read_text())
-    rows = {r["pipeline"]: r for r in _rows(results, "paired")}
-    assert sorted(rows) == ["keras-tfr", "memmap-pydataset", "numpy"]
-    for r in rows.values():
-        assert len(r["round_seconds"]) == 3
-        assert r["seconds"] == pytest.approx(float(np.median(r["round_seconds"])))
-        assert r["examples"] == SAMPLES // 4
-        assert r["examples_per_s"] == pytest.approx(r["examples"] / r["seconds"])
-    ours = rows["keras-tfr"]
-    assert sorted(ours["vs"]) == ["memmap-pydataset", "numpy"]
-    for other, vs in ours["vs"].items():
-        expected = [t / m for m, t in zip(ours["round_seconds"], rows[other]["round_seconds"])]
-        assert vs["ratios"] == pytest.approx(expected)
-        assert vs["median"] == pytest.approx(float(np.median(expected)))
-        lo, hi = vs["interval"]
-        assert min(expected) <= lo <= vs["median"] <= hi <= max(expected)
+    assert {r["group"] for r in results["rows"]} == {"paired", "paired-read"}
+    compared = {
+        "paired": {"keras-tfr": ["memmap-pydataset", "numpy"]},
+        "paired-read": {
+            "keras-tfr": ["memmap-threads"],
+            "keras-tfr-numpy": ["memmap-threads"],
+        },
+    }
+    for group, ours in compared.items():
+        rows = {r["pipeline"]: r for r in _rows(results, group)}
+        assert sorted(rows) == sorted({*ours, *(p for ps in ours.values() for p in ps)})
+        for r in rows.values():
+            assert len(r["round_seconds"]) == 3
+            assert r["seconds"] == pytest.approx(float(np.median(r["round_seconds"])))
+            assert r["examples"] == SAMPLES // 4
+            assert r["examples_per_s"] == pytest.approx(r["examples"] / r["seconds"])
+        for mine, others in ours.items():
+            assert sorted(rows[mine]["vs"]) == others
+            for other, vs in rows[mine]["vs"].items():
+                walls = zip(rows[mine]["round_seconds"], rows[other]["round_seconds"])
+                expected = [t / m for m, t in walls]
+                assert vs["ratios"] == pytest.approx(expected)
+                assert vs["median"] == pytest.approx(float(np.median(expected)))
+                lo, hi = vs["interval"]
+                assert min(expected) <= lo <= vs["median"] <= hi <= max(expected)
     paired = [t for t in results["targets"] if "epochs alternated" in t["target"]]
-    assert len(paired) == 2
+    assert [t["target"].split(" >= ")[0] for t in paired] == [
+        "fit small",
+        "fit small",
+        "read small",
+        "read small, keras-tfr as_numpy_iterator(),",
+    ]
     for t in paired:
         assert t["met"] == (t["ratio"] >= 1.0)
     assert "epochs alternated in one process" in (out / "results.md").read_text()
-    assert not {"read", "fit", "write", "rss"} & {r["group"] for r in results["rows"]}
 
 
 @pytest.mark.subprocess
