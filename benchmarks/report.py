@@ -68,6 +68,22 @@ TARGETS = [
     ("fit large >= in-memory NumPy fit", "fit", "large", "keras-tfr", "numpy", 1.0),
     ("write small >= 75% of np.save", "write", "small", "keras-tfr", "np.save", 0.75),
     ("write large >= 75% of np.save", "write", "large", "keras-tfr", "np.save", 0.75),
+    (
+        "write small >= 75% of np.save + fsync",
+        "write",
+        "small",
+        "keras-tfr",
+        "np.save-fsync",
+        0.75,
+    ),
+    (
+        "write large >= 75% of np.save + fsync",
+        "write",
+        "large",
+        "keras-tfr",
+        "np.save-fsync",
+        0.75,
+    ),
     ("write small >= 20x tutorial writer", "write", "small", "keras-tfr", "tutorial", 20.0),
 ]
 

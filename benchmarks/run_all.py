@@ -112,7 +112,7 @@ READ_PIPELINES = [
 FIT_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset", "tutorial"]
 # The pipelines that read the formats `gen_formats` writes (the tutorial's: the write group).
 FORMAT_PIPELINES = {"per-sample-raw", "grain-arrayrecord", "tf-save-load"}
-WRITE_PIPELINES = ["keras-tfr", "np.save", "tutorial"]
+WRITE_PIPELINES = ["keras-tfr", "np.save", "np.save-fsync", "tutorial"]
 # The data each writer makes, by the read and fit pipelines that read it (without the
 # write group, `--only` writes only what its pipelines read).
 _DATA_READ_BY = {
@@ -132,6 +132,7 @@ LABELS = {
     "raw-read": "raw page-cache read (limit)",
     "numpy": "model.fit(x, y) in-memory NumPy",
     "np.save": "np.save from memmap (limit)",
+    "np.save-fsync": "np.save from memmap + fsync (durable)",
     "memmap-threads": "memmap + threads (sorted gather)",
     "memmap-pydataset": "memmap + PyDataset(workers=4)",
     "keras-arrays": "Keras' tf.data for in-memory arrays",
@@ -243,15 +244,29 @@ def work_write(
             t0 = time.perf_counter()
             ArraysToRecords.from_arrays(x, y, out, verbose=0)
             dt = min(dt, time.perf_counter() - t0)
-    elif pipeline == "np.save":
+    elif pipeline in ("np.save", "np.save-fsync"):
+        # Unsynced, `np.save` returns once the page cache holds the data (the kernel writes
+        # it back later): the limit of writing these bytes. Synced (each file, then the
+        # directory), it is on disk when the call returns, as keras-tfr's shards are.
+        durable = pipeline == "np.save-fsync"
         out = out or p["npsave"]
         dt = float("inf")
         for _ in range(repeats):
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
             t0 = time.perf_counter()
-            np.save(os.path.join(out, "x.npy"), x)
-            np.save(os.path.join(out, "y.npy"), y)
+            for name, arr in (("x.npy", x), ("y.npy", y)):
+                with open(os.path.join(out, name), "wb") as f:
+                    np.save(f, arr)
+                    if durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+            if durable:
+                fd = os.open(out, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             dt = min(dt, time.perf_counter() - t0)
     elif pipeline == "tutorial":
         import tensorflow as tf

@@ -28,7 +28,7 @@ SAMPLES = 1200  # `--quick`: 300 samples, a batch of 256 and one of 44
 SHAPE = (8, 8, 1)
 SAMPLE_BYTES = 4 * 8 * 8 * 1 + 4  # float32 x, int32 y
 READ = {"raw-read", "memmap-threads"}
-WRITE = {"keras-tfr", "np.save", "tutorial"}
+WRITE = {"keras-tfr", "np.save", "np.save-fsync", "tutorial"}
 ROUNDS = 3
 
 # The driver, its "small" shape made tiny (the name kept: the chart and the rss group use it).
@@ -200,6 +200,7 @@ def test_ratios_are_keras_tfr_rate_over_the_peer_rate(bench):
             continue
         pairs = {
             "write small >= 75% of np.save": ("keras-tfr", "np.save"),
+            "write small >= 75% of np.save + fsync": ("keras-tfr", "np.save-fsync"),
             "write small >= 20x tutorial writer": ("keras-tfr", "tutorial"),
         }
         if desc in pairs:
@@ -210,7 +211,7 @@ def test_ratios_are_keras_tfr_rate_over_the_peer_rate(bench):
             measured.add(desc)
         else:  # keras-tfr's read and fit were not chosen
             assert t["ratio"] is None and t["met"] is None, t
-    assert len(measured) == 2, measured
+    assert len(measured) == 3, measured
     assert not [t for t in results["targets"] if t["minimum"] is None]  # no rss group
     # The table's last column: keras-tfr's rate in the same group ÷ this row's, "-" where
     # keras-tfr did not run in that group (read here); the rss group is not in the table.
