@@ -90,10 +90,9 @@ PEER_THREADS = 4
 # data larger than half of memory): the mapped pages it keeps do not grow with the data.
 RSS_WINDOW = "128MB"
 
-# Rounds of the paired group (`work_paired`): one epoch of each of its pipelines per round.
+# Rounds of the paired groups (`PAIRED_GROUPS`): one epoch of each pipeline per round.
 PAIRED_ROUNDS = 20
 PAIRED_SHAPES = ("small", "large")  # Flatten + Dense(10), the model of `fit_paired`
-PAIRED_PIPELINES = ["keras-tfr", "numpy", "memmap-pydataset"]
 
 READ_PIPELINES = [
     "keras-tfr",
@@ -665,7 +664,11 @@ def paired_reads(epoch_of: dict[str, Any], rounds: int, examples: int) -> dict[s
 # Per paired group: its pipelines, keras-tfr's among them (whose rows hold the per-round
 # ratios) and the others they are compared with.
 PAIRED_GROUPS = {
-    "paired": (PAIRED_PIPELINES, ["keras-tfr"], ["numpy", "memmap-pydataset"]),
+    "paired": (
+        ["keras-tfr", "numpy", "memmap-pydataset"],
+        ["keras-tfr"],
+        ["numpy", "memmap-pydataset"],
+    ),
     "paired-read": (
         ["keras-tfr", "keras-tfr-numpy", "memmap-threads"],
         ["keras-tfr", "keras-tfr-numpy"],
@@ -674,7 +677,7 @@ PAIRED_GROUPS = {
 }
 
 
-def paired_rows(res: dict[str, Any], group: str = "paired") -> dict[str, dict[str, Any]]:
+def paired_rows(res: dict[str, Any], group: str) -> dict[str, dict[str, Any]]:
     """A paired group's rows from `work_paired`'s or `work_paired_read`'s result: per
     pipeline its median epoch (wall and CPU seconds) and, on each keras-tfr row
     (``"vs"``), for each pipeline it is compared with the per-round ratios of rates
@@ -918,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paired-rounds",
         type=int,
         default=PAIRED_ROUNDS,
-        help="rounds of the paired group: one epoch of each of its pipelines per round",
+        help="rounds of the paired groups: one epoch of each of their pipelines per round",
     )
     args = parser.parse_args(argv)
     if args.paired_rounds < 1:
