@@ -53,7 +53,7 @@ by default).
 
 Usage::
 
-    python benchmarks/run_all.py            # full sizes (a few minutes on 2 cores)
+    python benchmarks/run_all.py            # full sizes (10-15 minutes on 2 cores)
     python benchmarks/run_all.py --quick    # a quarter of the samples
 """
 
