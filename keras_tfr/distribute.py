@@ -32,6 +32,7 @@ This module imports TensorFlow only inside functions, so importing it is quick.
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -336,7 +337,13 @@ class ServiceCluster:
         self.worker_addresses = addresses
 
     def stop(self) -> None:
-        """Stops the workers, then the dispatcher."""
+        """Stops the workers, then the dispatcher.
+
+        First collects this process's garbage: a data set read from the service and then
+        dropped inside a reference cycle keeps its iterator, whose calls to the servers
+        each server's stop waits for (30-90 s after the service tests of this project's
+        suite; under a second once they were collected)."""
+        gc.collect()
         for server in [*self.workers, self.dispatcher]:
             if server is not None and hasattr(server, "_stop"):
                 server._stop()
