@@ -54,6 +54,15 @@ def median_interval(
     return float(lo), float(hi)
 
 
+def turns(names: list[str], rounds: int):
+    """``(round, name)`` in the order paired pipelines take their epochs: every name once
+    per round, the order flipped each round, ``rounds`` rounds after a warm-up round 0
+    (whose epochs are not kept)."""
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            yield r, name
+
+
 def paired_epochs(x: np.ndarray, y: np.ndarray, sources: dict, rounds: int) -> dict:
     """One model fitted one epoch at a time on the NumPy arrays and on each source in
     ``sources``, in turn (the order flips each round; round 0 traces and warms up, not
@@ -77,16 +86,15 @@ def paired_epochs(x: np.ndarray, y: np.ndarray, sources: dict, rounds: int) -> d
 
     names = ["numpy", *sources]
     out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
-    for r in range(rounds + 1):
-        for n in names if r % 2 == 0 else names[::-1]:
-            if n == "numpy":
-                model.fit(x, y, batch_size=BATCH, shuffle=True, epochs=1, verbose=0,
-                          callbacks=[Timer()])  # fmt: skip
-            else:
-                model.fit(sources[n], epochs=1, verbose=0, callbacks=[Timer()])
-            if r:
-                out[n]["wall"].append(last["wall"])
-                out[n]["cpu"].append(last["cpu"])
+    for r, n in turns(names, rounds):
+        if n == "numpy":
+            model.fit(x, y, batch_size=BATCH, shuffle=True, epochs=1, verbose=0,
+                      callbacks=[Timer()])  # fmt: skip
+        else:
+            model.fit(sources[n], epochs=1, verbose=0, callbacks=[Timer()])
+        if r:
+            out[n]["wall"].append(last["wall"])
+            out[n]["cpu"].append(last["cpu"])
     return out
 
 

@@ -361,6 +361,12 @@ def _memmap_batches(p: dict[str, str], seed: int):
     return batch, -(-n // BATCH)
 
 
+def _memmap_epoch(p: dict[str, str], pool: Any, epoch: int) -> int:
+    """One epoch of the memmap + threads peer on ``pool``: the examples it read."""
+    batch, steps = _memmap_batches(p, epoch)
+    return sum(int(b[0].shape[0]) for b in pool.map(batch, range(steps)))
+
+
 def _memmap_read(p: dict[str, str]) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -369,8 +375,7 @@ def _memmap_read(p: dict[str, str]) -> dict[str, Any]:
     with ThreadPoolExecutor(PEER_THREADS) as pool:
         for epoch in range(READ_EPOCHS):
             t0, c0 = time.perf_counter(), time.process_time()
-            batch, steps = _memmap_batches(p, epoch)
-            count = sum(int(b[0].shape[0]) for b in pool.map(batch, range(steps)))
+            count = _memmap_epoch(p, pool, epoch)
             dt = time.perf_counter() - t0
             if dt < best:
                 best, cpu = dt, time.process_time() - c0
@@ -622,18 +627,13 @@ def work_paired_read(p: dict[str, str], shape: tuple[int, ...], rounds: int) -> 
     _warm(p["base"])
     n = int(np.load(p["y"], mmap_mode="r").shape[0])
     with ThreadPoolExecutor(PEER_THREADS) as pool:
-
-        def memmap(epoch: int) -> int:
-            batch, steps = _memmap_batches(p, epoch)
-            return sum(int(b[0].shape[0]) for b in pool.map(batch, range(steps)))
-
         epochs = paired_reads(
             {
                 "keras-tfr": lambda _: sum(int(b[0].shape[0]) for b in src),
                 "keras-tfr-numpy": lambda _: sum(
                     int(b[0].shape[0]) for b in src.as_numpy_iterator()
                 ),
-                "memmap-threads": memmap,
+                "memmap-threads": lambda epoch: _memmap_epoch(p, pool, epoch),
             },
             rounds,
             n,
@@ -646,18 +646,19 @@ def paired_reads(epoch_of: dict[str, Any], rounds: int, examples: int) -> dict[s
     returns the examples read), the wall and CPU seconds of one epoch per round, the
     pipelines in turn (the order flips each round; round 0 warms up and is not kept), as
     `fit_paired.paired_epochs` does for `fit`. Raises if an epoch reads another count."""
+    from fit_paired import turns  # benchmarks/fit_paired.py
+
     names = list(epoch_of)
     out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
-    for r in range(rounds + 1):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0, c0 = time.perf_counter(), time.process_time()
-            count = epoch_of[name](r)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if count != examples:
-                raise RuntimeError(f"{name} read {count} examples in epoch {r}, not {examples}")
-            if r:
-                out[name]["wall"].append(wall)
-                out[name]["cpu"].append(cpu)
+    for r, name in turns(names, rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        count = epoch_of[name](r)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if count != examples:
+            raise RuntimeError(f"{name} read {count} examples in epoch {r}, not {examples}")
+        if r:
+            out[name]["wall"].append(wall)
+            out[name]["cpu"].append(cpu)
     return out
 
 
