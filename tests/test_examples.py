@@ -68,6 +68,33 @@ def test_demo(tmp_path):
     assert not workdir.exists()  # removed without --keep
 
 
+def test_demo_writes_its_data_as_npy_files_chunk_by_chunk(tmp_path):
+    """The data the demo trains on: two chunks and a part of one, written with plain
+    writes after each ``.npy`` header (no memmap whose pages stay mapped), are the
+    teacher's data set, byte for byte."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("demo", os.path.join(EXAMPLES, "demo.py"))
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    n = 2 * demo.GEN_CHUNK + 123
+    demo.generate(str(tmp_path), n, seed=3)
+    x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    y = np.load(tmp_path / "y.npy", mmap_mode="r")
+    assert (x.shape, x.dtype, y.shape, y.dtype) == ((n, 256), np.float32, (n,), np.int64)
+    rng = np.random.default_rng(3)
+    teacher = rng.standard_normal((256, 10)).astype(np.float32)
+    for i in range(0, n, demo.GEN_CHUNK):
+        j = min(n, i + demo.GEN_CHUNK)
+        xb = rng.standard_normal((j - i, 256), dtype=np.float32)
+        np.testing.assert_array_equal(x[i:j], xb)
+        np.testing.assert_array_equal(y[i:j], np.argmax(xb @ teacher, axis=1))
+    assert len(np.unique(y)) == 10  # every class present
+
+
 def test_four_models_one_gpu(tmp_path):
     data = tmp_path / "train"
     result = run_example(
