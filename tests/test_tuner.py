@@ -580,12 +580,18 @@ def test_launcher_stops_workers_when_the_chief_fails(tmp_path):
     ],
     ids=["SIGINT", "SIGTERM", "SIGKILL", "SIGTERM-ignored", "SIGKILL-ignored"],
 )
-def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig, ignoring):
+def test_processes_stop_when_the_launcher_is_terminated_or_killed(
+    tmp_path, monkeypatch, sig, ignoring
+):
     """`keras-tfr tune` stops the chief and the workers (in process groups of their own)
     on SIGTERM, as on Ctrl-C; killed, its guard process stops them. Processes that
     ignore SIGTERM are killed 5 s later, all at once (they were stopped one after the
-    other: 5 s each)."""
+    other: 5 s each). Its temporary report directory goes too, unless it was killed;
+    the log directory stays."""
     n = 3 if ignoring else 2  # processes: the chief and the workers
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # where the launcher's mkdtemp puts both
     script = _script(
         tmp_path,
         f"""
@@ -616,6 +622,10 @@ def test_processes_stop_when_the_launcher_is_terminated_or_killed(tmp_path, sig,
     else:
         assert proc.returncode == -signal.SIGKILL and guarded, err
     assert still_running(pids, 20) == [], "a tuner process outlived the launcher"
+    reports = sorted(temp.glob("keras-tfr-tune-report-*"))
+    logs = [p for p in temp.glob("keras-tfr-tune-*") if p not in reports]
+    assert len(logs) == 1 and (logs[0] / "chief.log").exists(), sorted(temp.iterdir())
+    assert len(reports) == (1 if sig == signal.SIGKILL else 0), reports
 
 
 @pytest.mark.subprocess

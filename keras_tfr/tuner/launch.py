@@ -236,69 +236,74 @@ def tune(
     log_dir = os.fspath(log_dir) if log_dir else tempfile.mkdtemp(prefix="keras-tfr-tune-")
     os.makedirs(log_dir, exist_ok=True)
     report_dir = tempfile.mkdtemp(prefix="keras-tfr-tune-report-")
-
-    base_env = {**os.environ, **(env or {})}
-    base_env.update(
-        KERASTUNER_ORACLE_IP="127.0.0.1",
-        KERASTUNER_ORACLE_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-        **{_REPORT_ENV: report_dir},
-    )
-    if chief_picks_port:
-        base_env[_PORT_FILE_ENV] = os.path.join(report_dir, "oracle.port")
-    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    argv = [
-        sys.executable,
-        "-c",
-        "from keras_tfr.tuner.launch import _child_main; _child_main()",
-        os.path.abspath(script),
-        *map(str, script_args),
-    ]
-    ids = ["chief"] + [f"tuner{i}" for i in range(workers)]
-    children: dict[str, Child] = {}
-    logs: dict[str, LogFile] = {}
-    errors: list[str] = []
-    stopped_after_search: list[str] = []
-    start = time.monotonic()
-    guard = Guard(_KILL_GRACE_S, "keras-tfr tune")  # stops them if this process is killed
+    # Removed however this ends (Ctrl-C and SIGTERM included): only a SIGKILL leaves it.
     try:
-        for i, tuner_id in enumerate(ids):
-            child_env = _child_env(base_env, tuner_id, i, gpu_memory_mb, gpus)
-            logs[tuner_id] = LogFile(
-                os.path.join(log_dir, f"{tuner_id}.log"), f"[{tuner_id}] ", verbose
-            )
-            children[tuner_id] = Child(
-                tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd, guard=guard
-            )
-        log.info(
-            "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%s, logs in %s",
-            workers,
-            "(a port the chief picks)" if chief_picks_port else port,
-            log_dir,
+        base_env = {**os.environ, **(env or {})}
+        base_env.update(
+            KERASTUNER_ORACLE_IP="127.0.0.1",
+            KERASTUNER_ORACLE_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+            **{_REPORT_ENV: report_dir},
         )
-        supervise_errors, stopped_after_search = _supervise(children, start, timeout, worker_grace)
-        errors += supervise_errors
-    finally:
-        # All at once: SIGTERM to every group, SIGKILL to those left 5 s later.
-        stop_all(list(children.values()), signal.SIGTERM, _KILL_GRACE_S)
-        guard.close()
-        for child in children.values():
-            child.join_output(10)
+        if chief_picks_port:
+            base_env[_PORT_FILE_ENV] = os.path.join(report_dir, "oracle.port")
+        base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        argv = [
+            sys.executable,
+            "-c",
+            "from keras_tfr.tuner.launch import _child_main; _child_main()",
+            os.path.abspath(script),
+            *map(str, script_args),
+        ]
+        ids = ["chief"] + [f"tuner{i}" for i in range(workers)]
+        children: dict[str, Child] = {}
+        logs: dict[str, LogFile] = {}
+        errors: list[str] = []
+        stopped_after_search: list[str] = []
+        start = time.monotonic()
+        guard = Guard(_KILL_GRACE_S, "keras-tfr tune")  # stops them if this process is killed
+        try:
+            for i, tuner_id in enumerate(ids):
+                child_env = _child_env(base_env, tuner_id, i, gpu_memory_mb, gpus)
+                logs[tuner_id] = LogFile(
+                    os.path.join(log_dir, f"{tuner_id}.log"), f"[{tuner_id}] ", verbose
+                )
+                children[tuner_id] = Child(
+                    tuner_id, argv, child_env, sink=logs[tuner_id], cwd=cwd, guard=guard
+                )
+            log.info(
+                "keras-tfr tune: chief and %d worker(s) started, oracle on 127.0.0.1:%s, "
+                "logs in %s",
+                workers,
+                "(a port the chief picks)" if chief_picks_port else port,
+                log_dir,
+            )
+            supervise_errors, stopped_after_search = _supervise(
+                children, start, timeout, worker_grace
+            )
+            errors += supervise_errors
+        finally:
+            # All at once: SIGTERM to every group, SIGKILL to those left 5 s later.
+            stop_all(list(children.values()), signal.SIGTERM, _KILL_GRACE_S)
+            guard.close()
+            for child in children.values():
+                child.join_output(10)
 
-    returncodes = {k: c.poll() for k, c in children.items()}
-    for tuner_id, rc in returncodes.items():
-        if tuner_id in stopped_after_search:
-            continue  # the search was over; warned about in `_supervise`
-        if rc not in (0, None) and not any(e.startswith(f"{tuner_id} ") for e in errors):
-            errors.append(f"{tuner_id} exited with status {rc}")
-    result = _collect(report_dir, returncodes, errors, log_dir)
-    for tuner_id in children:
-        if returncodes[tuner_id] not in (0, None) and not verbose:
-            tail = logs[tuner_id].tail()
-            if tail:
-                log.warning("keras-tfr tune: last lines of %s:\n%s", logs[tuner_id].path, tail)
-    _remove_tree(report_dir)
-    return result
+        returncodes = {k: c.poll() for k, c in children.items()}
+        for tuner_id, rc in returncodes.items():
+            if tuner_id in stopped_after_search:
+                continue  # the search was over; warned about in `_supervise`
+            if rc not in (0, None) and not any(e.startswith(f"{tuner_id} ") for e in errors):
+                errors.append(f"{tuner_id} exited with status {rc}")
+        result = _collect(report_dir, returncodes, errors, log_dir)
+        for tuner_id in children:
+            if returncodes[tuner_id] not in (0, None) and not verbose:
+                tail = logs[tuner_id].tail()
+                if tail:
+                    log.warning("keras-tfr tune: last lines of %s:\n%s", logs[tuner_id].path, tail)
+        return result
+    finally:
+        _remove_tree(report_dir)
 
 
 def _check_tune_args(
